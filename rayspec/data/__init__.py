@@ -1,0 +1,62 @@
+"""Data sets by name: each builder returns train and validation splits and a ``DataInfo``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from torch.utils.data import Dataset
+
+__all__ = ["DataInfo", "DataBundle", "DATASETS", "register", "build_data", "DataError"]
+
+
+class DataError(ValueError):
+    """Missing files, an unknown data set name or a bad option."""
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What a model needs to know of its data.
+
+    Attributes:
+        kind: ``image`` (inputs ``(C, H, W)`` floats) or ``text`` (inputs ``(T,)`` token ids).
+        num_classes: number of target classes.
+        input_shape: shape of one input sample.
+        vocab_size: size of the token vocabulary (text only; id 0 is padding).
+    """
+
+    kind: Literal["image", "text"]
+    num_classes: int
+    input_shape: tuple[int, ...]
+    vocab_size: int | None = None
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset | None
+    info: DataInfo
+
+
+DATASETS: dict[str, Callable[..., DataBundle]] = {}
+
+
+def register(name: str) -> Callable[[Callable[..., DataBundle]], Callable[..., DataBundle]]:
+    """Register ``fn(root, seed, **options) -> DataBundle`` under ``name``."""
+
+    def wrap(fn: Callable[..., DataBundle]) -> Callable[..., DataBundle]:
+        DATASETS[name] = fn
+        return fn
+
+    return wrap
+
+
+def build_data(name: str, root: str | None = None, seed: int = 0, **options: Any) -> DataBundle:
+    """Build data set ``name``; ``root`` is where its files are (ignored by synthetic sets)."""
+    if name not in DATASETS:
+        raise DataError(f"data={name!r} is unknown; choose one of {', '.join(sorted(DATASETS))}")
+    return DATASETS[name](root=root, seed=seed, **options)
+
+
+# Importing a data module registers it.
+from rayspec.data import synthetic  # noqa: E402,F401

@@ -1,0 +1,53 @@
+"""Model registry: every model is an ``nn.Sequential`` of blocks the partitioner may cut between.
+
+A block's ``forward`` takes one argument, a tensor or a tuple of tensors (skip tensors, masks,
+recurrent state), and returns one; composing the blocks computes exactly the whole model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from rayspec.data import DataInfo
+
+__all__ = ["MODELS", "SIZES", "register", "build_model", "ModelError"]
+
+SIZES = ("full", "small", "tiny")
+MODELS: dict[str, Callable[..., nn.Sequential]] = {}
+
+
+class ModelError(ValueError):
+    """An unknown model name, size or option."""
+
+
+def register(name: str) -> Callable[[Callable[..., nn.Sequential]], Callable[..., nn.Sequential]]:
+    """Register ``fn(size, info, **options) -> nn.Sequential`` under ``name``."""
+
+    def wrap(fn: Callable[..., nn.Sequential]) -> Callable[..., nn.Sequential]:
+        MODELS[name] = fn
+        return fn
+
+    return wrap
+
+
+def build_model(name: str, info: DataInfo, size: str = "full", **options: Any) -> nn.Sequential:
+    """Build model ``name`` at ``size`` for a data set described by ``info``."""
+    if name not in MODELS:
+        raise ModelError(f"model={name!r} is unknown; choose one of {', '.join(sorted(MODELS))}")
+    if size not in SIZES:
+        raise ModelError(f"model.size={size!r} is unknown; choose one of {', '.join(SIZES)}")
+    model = MODELS[name](size, info, **options)
+    if not isinstance(model, nn.Sequential) or len(model) == 0:
+        raise ModelError(f"model {name!r} must build a non-empty nn.Sequential of blocks")
+    return model
+
+
+def model_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The builder options of a model config: everything but ``name`` and ``size``."""
+    return {k: v for k, v in cfg.items() if k not in ("name", "size")}
+
+
+# Importing a model module registers it.
+from rayspec.models import mlp  # noqa: E402,F401
