@@ -1,0 +1,194 @@
+"""Typed run configuration, built from Hydra's config and validated before Ray starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from rayspec.optim import SCHEDULES as LR_SCHEDULES
+from rayspec.schedule import METHOD_SCHEDULE, VARIANTS
+
+__all__ = ["TRANSPORTS", "ConfigError", "Config", "PipelineConfig", "OptimConfig", "TrainConfig", "from_mapping", "METHODS"]
+
+METHODS = tuple(METHOD_SCHEDULE)
+PARTITIONS = ("uniform", "parameters", "profile")
+TRANSPORTS = ("auto", "object_store", "gloo", "nccl")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the value and the fix."""
+
+
+@dataclass
+class PipelineConfig:
+    method: Literal["vanilla", "gpipe", "async", "pipedream", "spectrain"] = "spectrain"
+    """Training method (DESIGN §2)."""
+    variant: Literal["paper", "consistent"] = "paper"
+    """SpecTrain's prediction target: ``paper`` (v1) or ``consistent`` (v2)."""
+    backward: Literal["mixed", "recompute"] = "mixed"
+    """``mixed``: backward at the weights in storage with the forward's activations; ``recompute``: exact."""
+    stages: int = 4
+    """Pipeline stages N; at most the model's number of blocks."""
+    microbatches: int = 4
+    """``gpipe``: micro-batches each batch is split into (accumulated per update). Others: unused."""
+    executor: Literal["local", "ray"] = "ray"
+    """``local``: all stages in this process (the reference); ``ray``: one actor per stage."""
+    transport: Literal["auto", "object_store", "gloo", "nccl"] = "auto"
+    """How activations move: ``auto`` = nccl RDT on GPUs, zero-copy object store on CPU."""
+    partition: Literal["uniform", "parameters", "profile"] = "uniform"
+    """How blocks are split among stages when ``balance`` is not given."""
+    balance: list[int] | None = None
+    """Explicit block counts per stage; wins over ``partition``."""
+    cpus_per_stage: float | None = None
+    """CPUs reserved per stage actor; default: the cluster's CPUs shared among the stages (at most 1)."""
+    gpus_per_stage: float | None = None
+    """GPUs per stage actor; default 1 when CUDA is available, else 0."""
+    max_in_flight: int | None = None
+    """Bound on micro-batches in flight; default: what the schedule needs."""
+    placement: Literal["pack", "spread"] = "pack"
+    """Placement-group strategy for the stage actors."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 0.01
+    """Base learning rate (> 0)."""
+    momentum: float = 0.9
+    """SGD momentum in [0, 1); SpecTrain's smoothed gradient is its buffer."""
+    weight_decay: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    schedule: Literal["constant", "poly", "cosine"] = "constant"
+    """Learning-rate schedule over updates, the same for every method and stage."""
+    warmup: int = 0
+    """Linear warm-up updates."""
+    power: float = 2.0
+    """Exponent of ``poly`` (the paper's: 2)."""
+    min_lr: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    """Optimizer updates to run (each consumes one batch)."""
+    batch_size: int = 64
+    """Samples per update (gpipe splits it into ``pipeline.microbatches``)."""
+    log_every: int = 25
+    """Updates between progress lines and metrics records."""
+    eval_every: int = 0
+    """Updates between evaluations on the validation split (0: only at the end); the pipeline drains there."""
+    eval_batch_size: int = 512
+
+
+@dataclass
+class Config:
+    model: dict[str, Any] = field(default_factory=lambda: {"name": "mlp", "size": "small"})
+    data: dict[str, Any] = field(default_factory=lambda: {"name": "synthetic_image"})
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ray: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def validate(self) -> "Config":
+        """Check every value that needs no model or data; raise ``ConfigError`` naming the value and the fix."""
+        p, o, t = self.pipeline, self.optim, self.train
+        _choice("pipeline.method", p.method, METHODS)
+        _choice("pipeline.variant", p.variant, VARIANTS)
+        _choice("pipeline.backward", p.backward, ("mixed", "recompute"))
+        _choice("pipeline.executor", p.executor, ("local", "ray"))
+        _choice("pipeline.transport", p.transport, TRANSPORTS)
+        _choice("pipeline.partition", p.partition, PARTITIONS)
+        _choice("pipeline.placement", p.placement, ("pack", "spread"))
+        _choice("optim.schedule", o.schedule, LR_SCHEDULES)
+        _int("pipeline.stages", p.stages, 1, "use at least one stage")
+        _int("pipeline.microbatches", p.microbatches, 1, "split each batch into at least one micro-batch")
+        _int("train.max_steps", t.max_steps, 1, "train for at least one update")
+        _int("train.batch_size", t.batch_size, 1, "use a positive batch size")
+        _int("train.log_every", t.log_every, 1, "log at least every update count >= 1")
+        _int("train.eval_every", t.eval_every, 0, "use 0 to evaluate only at the end")
+        _int("optim.warmup", o.warmup, 0, "use 0 for no warm-up")
+        _int("seed", self.seed, 0, "use a non-negative integer seed")
+        if not _number(o.lr) or o.lr <= 0:
+            raise ConfigError(f"optim.lr={o.lr!r} must be a positive number, e.g. optim.lr=0.05")
+        if not _number(o.momentum) or not 0 <= o.momentum < 1:
+            raise ConfigError(f"optim.momentum={o.momentum!r} must be in [0, 1), e.g. optim.momentum=0.9")
+        if not _number(o.weight_decay) or o.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay={o.weight_decay!r} must be >= 0")
+        if o.nesterov and (o.momentum <= 0 or o.dampening != 0):
+            raise ConfigError("optim.nesterov=true needs optim.momentum > 0 and optim.dampening=0")
+        if p.method == "gpipe" and t.batch_size % p.microbatches:
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} is not divisible by pipeline.microbatches={p.microbatches}; "
+                "gpipe splits each batch into equal micro-batches"
+            )
+        if p.balance is not None and len(p.balance) != p.stages:
+            raise ConfigError(
+                f"pipeline.balance={p.balance} has {len(p.balance)} entries but pipeline.stages={p.stages}; "
+                "give one block count per stage"
+            )
+        for name in ("cpus_per_stage", "gpus_per_stage"):
+            v = getattr(p, name)
+            if v is not None and (not _number(v) or v < 0 or (name == "cpus_per_stage" and v == 0)):
+                raise ConfigError(f"pipeline.{name}={v!r} must be a positive number (or null for the default)")
+        if p.transport == "nccl":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    "pipeline.transport=nccl needs GPUs but CUDA is not available; "
+                    "use pipeline.transport=auto (object store on CPU) or gloo"
+                )
+        for key in ("name",):
+            if not isinstance(self.model.get(key), str):
+                raise ConfigError(f"model.{key} must be set, e.g. model=mlp")
+            if not isinstance(self.data.get(key), str):
+                raise ConfigError(f"data.{key} must be set, e.g. data=synthetic_image")
+        return self
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is unknown; choose one of {', '.join(choices)}")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(name: str, value: Any, low: int, fix: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be an integer; {fix}")
+    if value < low:
+        raise ConfigError(f"{name}={value} must be >= {low}; {fix}")
+
+
+def _section(cls: type, name: str, values: Mapping[str, Any] | None) -> Any:
+    values = dict(values or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(name + '.' + k for k in unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**values)
+
+
+def from_mapping(cfg: Mapping[str, Any]) -> Config:
+    """Build and validate a ``Config`` from a plain mapping (e.g. ``OmegaConf.to_container(cfg)``)."""
+    cfg = dict(cfg)
+    extra = sorted(set(cfg) - {f.name for f in dataclasses.fields(Config)} - {"hydra", "logger", "experiment"})
+    if extra:
+        raise ConfigError(f"unknown top-level key(s) {', '.join(extra)}")
+    pipeline = dict(cfg.get("pipeline") or {})
+    if pipeline.get("balance") is not None:
+        pipeline["balance"] = list(pipeline["balance"])
+    config = Config(
+        model=dict(cfg.get("model") or {}),
+        data=dict(cfg.get("data") or {}),
+        pipeline=_section(PipelineConfig, "pipeline", pipeline),
+        optim=_section(OptimConfig, "optim", cfg.get("optim")),
+        train=_section(TrainConfig, "train", cfg.get("train")),
+        ray=dict(cfg.get("ray") or {}),
+        seed=cfg.get("seed", 0),
+    )
+    return config.validate()

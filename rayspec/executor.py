@@ -1,0 +1,189 @@
+"""Executors run a schedule over stages; ``LocalExecutor`` does it in one process and is the reference.
+
+Every executor gets the same ``Stage`` objects and the same schedule and must give the same
+numbers: a stage's state depends only on its own ordered actions and their inputs, so any
+interleaving across stages that respects the data dependencies computes the same thing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from rayspec.schedule import Action, Schedule
+from rayspec.stage import Activation, Stage
+
+__all__ = ["Executor", "LocalExecutor", "PlannedAction", "plan"]
+
+
+@dataclass(frozen=True)
+class PlannedAction:
+    """An action with its prediction distance ``s`` and whether the last stage may fuse it with the next."""
+
+    action: Action
+    s: int
+    fused: bool = False  # last stage: this F is immediately followed by its own B
+
+
+def plan(schedule: Schedule, method: str, variant: str) -> list[PlannedAction]:
+    """The schedule's actions in a valid global order, each with SpecTrain's ``s`` (0 unless ``spectrain``).
+
+    On the last stage an ``F(m)`` directly followed by ``B(m)`` in its list is marked ``fused``;
+    its ``B`` is then left out (executors that can run both in one call do so).
+    """
+    s = schedule.version_differences(variant) if method == "spectrain" else None
+    last = schedule.stages - 1
+    fusable = set()
+    acts = schedule.actions[last]
+    for a, b in zip(acts, acts[1:]):
+        if a.kind == "F" and b.kind == "B" and a.microbatch == b.microbatch:
+            fusable.add(a.microbatch)
+    out = []
+    for a in schedule.order():
+        if a.stage == last and a.microbatch in fusable and a.kind == "B":
+            continue
+        fused = a.stage == last and a.kind == "F" and a.microbatch in fusable
+        out.append(PlannedAction(a, 0 if s is None else s[a.key], fused))
+    return out
+
+
+def fused_backward(schedule: Schedule, m: int, s: dict | None) -> tuple[int, bool]:
+    """``s`` and the update flag of the last stage's ``B(m)`` (for a fused F+B)."""
+    last = schedule.stages - 1
+    b = next(a for a in schedule.actions[last] if a.kind == "B" and a.microbatch == m)
+    return (0 if s is None else s[b.key]), b.update
+
+
+class Executor(ABC):
+    """Runs pipeline segments and reports per-micro-batch losses."""
+
+    method: str
+    variant: str
+
+    @abstractmethod
+    def run(
+        self,
+        schedule: Schedule,
+        microbatches: Iterable[tuple[Activation, torch.Tensor]],
+        on_loss: Callable[[int, float], None] | None = None,
+    ) -> list[float]:
+        """Run one segment over ``(input, labels)`` micro-batches, pulled lazily in order.
+
+        Returns the losses per micro-batch, scaled as trained (``1/group`` for ``gpipe``);
+        ``on_loss(m, loss)`` is called as they become known, for progress reports.
+        """
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The merged state_dict of all stages (original parameter names)."""
+
+    @abstractmethod
+    def stage_stats(self) -> list[dict]:
+        """Per stage: actions, busy seconds per kind, version, peak stash and weight bytes."""
+
+    def close(self) -> None:
+        """Release resources (actors, process groups)."""
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_stages(schedule: Schedule, n: int) -> None:
+    if schedule.stages != n:
+        raise ValueError(f"schedule has {schedule.stages} stages but the executor has {n}")
+
+
+class MicrobatchFeed:
+    """Pulls ``(input, labels)`` micro-batches in order as stage 0 needs them; labels wait for the last stage."""
+
+    def __init__(self, microbatches: Iterable[tuple[Activation, torch.Tensor]], count: int) -> None:
+        self._it: Iterator = iter(microbatches)
+        self._count = count
+        self._next = 0
+        self._labels: dict[int, torch.Tensor] = {}
+
+    def input(self, m: int) -> Activation:
+        if m != self._next:
+            raise RuntimeError(f"micro-batch {m} requested out of order (expected {self._next})")
+        try:
+            x, y = next(self._it)
+        except StopIteration:
+            raise ValueError(f"the data ran out after {m} of {self._count} micro-batches") from None
+        self._next += 1
+        self._labels[m] = y
+        return x
+
+    def labels(self, m: int) -> torch.Tensor:
+        return self._labels.pop(m)
+
+
+def stats_of(stage: Stage) -> dict:
+    return {
+        "stage": stage.index,
+        "version": stage.version,
+        "actions": dict(stage.stats.actions),
+        "busy_s": dict(stage.stats.busy_s),
+        "peak_stash": stage.stats.peak_stash,
+        "peak_weight_bytes": stage.stats.peak_weight_bytes,
+        "weight_bytes": stage.weight_bytes(),
+    }
+
+
+class LocalExecutor(Executor):
+    """All stages in this process, actions in the schedule's global order: the reference executor."""
+
+    def __init__(self, stages: Sequence[Stage], method: str, variant: str = "paper") -> None:
+        self.stages = list(stages)
+        self.method, self.variant = method, variant
+
+    def run(
+        self,
+        schedule: Schedule,
+        microbatches: Iterable[tuple[Activation, torch.Tensor]],
+        on_loss: Callable[[int, float], None] | None = None,
+    ) -> list[float]:
+        n = len(self.stages)
+        check_stages(schedule, n)
+        s = schedule.version_differences(self.variant) if self.method == "spectrain" else None
+        feed = MicrobatchFeed(microbatches, schedule.microbatches)
+        acts: dict[tuple[int, int], Activation] = {}
+        grads: dict[tuple[int, int], Activation] = {}
+        losses: dict[int, float] = {}
+        for p in plan(schedule, self.method, self.variant):
+            a, k, m = p.action, p.action.stage, p.action.microbatch
+            stage = self.stages[k]
+            if a.kind == "F":
+                x = feed.input(m) if k == 0 else acts.pop((k - 1, m))
+                out = stage.forward(m, x, feed.labels(m) if k == n - 1 else None, s=p.s)
+                if k == n - 1:
+                    losses[m] = float(out)
+                    if on_loss is not None:
+                        on_loss(m, losses[m])
+                else:
+                    acts[(k, m)] = out
+                if p.fused:
+                    sb, update = fused_backward(schedule, m, s)
+                    gi = stage.backward(m, None, s=sb, update=update)
+                    if k > 0:
+                        grads[(k, m)] = gi
+            else:
+                g = None if k == n - 1 else grads.pop((k + 1, m))
+                gi = stage.backward(m, g, s=p.s, update=a.update)
+                if k > 0:
+                    grads[(k, m)] = gi
+        return [losses[m] for m in range(schedule.microbatches)]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        merged: dict[str, torch.Tensor] = {}
+        for stage in self.stages:
+            merged.update(stage.state_dict())
+        return merged
+
+    def stage_stats(self) -> list[dict]:
+        return [stats_of(st) for st in self.stages]

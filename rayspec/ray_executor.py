@@ -1,0 +1,267 @@
+"""``RayExecutor``: one ``StageActor`` per stage in a placement group, driven by ObjectRefs passed stage to stage.
+
+The driver submits each stage's actions in schedule order; Ray runs one caller's calls on an
+actor in submission order, so the pipeline advances by data flow, with no driver round trip
+per action. Activations and gradients go from actor to actor (object store, or Ray Direct
+Tensor Transport with ``gloo``/``nccl``), never through the driver. The driver waits only to
+bound the micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import deque
+from typing import Any, Callable, Iterable, Sequence
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rayspec.config import TRANSPORTS
+from rayspec.executor import Executor, MicrobatchFeed, check_stages, fused_backward, plan, stats_of
+from rayspec.schedule import Schedule
+from rayspec.stage import Activation, Stage
+
+__all__ = ["RayExecutor", "StageActor", "TRANSPORTS", "resolve_transport"]
+
+log = logging.getLogger(__name__)
+
+_ZERO_COPY = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+
+
+def resolve_transport(transport: str, use_gpu: bool) -> str:
+    """``auto`` is ``nccl`` RDT on GPUs and the (zero-copy) object store on CPU (DESIGN §3)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"pipeline.transport={transport!r} is unknown; choose one of {', '.join(TRANSPORTS)}")
+    if transport == "auto":
+        return "nccl" if use_gpu else "object_store"
+    return transport
+
+
+@ray.remote(enable_tensor_transport=True)
+class StageActor:
+    """A thin Ray wrapper around one ``Stage``; logs carry a ``[stage k]`` prefix."""
+
+    def __init__(self, stage: Stage, threads: int = 1) -> None:
+        torch.set_num_threads(max(1, threads))
+        self.load(stage)
+
+    def load(self, stage: Stage) -> None:
+        """Replace the stage (new weights, optimizer and policy) on this live actor."""
+        # Own writable copies: zero-copy deserialization hands out read-only shared memory,
+        # and a stage updates its weights in place.
+        stage = copy.deepcopy(stage)
+        if torch.cuda.is_available() and stage.device.type == "cuda":
+            stage.module.to(stage.device)
+        self.stage = stage
+        self.losses: dict[int, float] = {}
+        logging.getLogger(__name__).debug("[stage %d] loaded", stage.index)
+
+    def forward(self, m: int, x: Activation, labels: torch.Tensor | None = None, s: int = 0) -> Activation:
+        out = self.stage.forward(m, x, labels, s)
+        if self.stage.is_last:
+            self.losses[m] = float(out)
+            return None
+        return _contiguous(out)
+
+    def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False) -> Activation:
+        return _contiguous(self.stage.backward(m, grad, s, update))
+
+    def forward_backward(
+        self, m: int, x: Activation, labels: torch.Tensor, s: int, s_b: int, update: bool
+    ) -> Activation:
+        """The last stage's ``F(m)`` and ``B(m)`` in one call: one actor call fewer on the critical path."""
+        self.losses[m] = float(self.stage.forward(m, x, labels, s))
+        return _contiguous(self.stage.backward(m, None, s_b, update))
+
+    def pop_losses(self) -> dict[int, float]:
+        out, self.losses = self.losses, {}
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.stage.state_dict()
+
+    def stats(self) -> dict:
+        return stats_of(self.stage)
+
+    def records(self) -> list[dict[str, Any]]:
+        return self.stage.records
+
+    def get_stage(self) -> Stage:
+        return self.stage
+
+
+def _contiguous(x: Activation) -> Activation:
+    if isinstance(x, tuple):
+        return tuple(t if t is None else t.contiguous() for t in x)
+    return x if x is None else x.contiguous()
+
+
+class RayExecutor(Executor):
+    """Runs each stage in its own Ray actor.
+
+    Args:
+        stages: the stages to ship to the actors (their current weights and settings).
+        method, variant: as for ``LocalExecutor``.
+        transport: ``auto``, ``object_store``, ``gloo`` or ``nccl`` (see ``resolve_transport``).
+        cpus_per_stage: CPUs reserved by each stage actor (fractional is fine on CPU).
+        gpus_per_stage: GPUs per stage actor (1 on GPU machines, 0 on CPU).
+        max_in_flight: micro-batches allowed between their stage-0 forward and backward; raised
+            to what the schedule itself needs.
+        placement_group: a group to place the stages in (e.g. a Tune trial's), stage ``k`` in
+            bundle ``bundle_offset + k``; by default the executor creates and owns one.
+        placement_strategy: ``PACK`` or ``SPREAD`` for the group it creates.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        method: str,
+        variant: str = "paper",
+        *,
+        transport: str = "auto",
+        cpus_per_stage: float = 1.0,
+        gpus_per_stage: float = 0.0,
+        max_in_flight: int | None = None,
+        placement_group: PlacementGroup | None = None,
+        bundle_offset: int = 0,
+        placement_strategy: str = "PACK",
+    ) -> None:
+        if not ray.is_initialized():
+            raise RuntimeError("call ray.init() before creating a RayExecutor")
+        self.method, self.variant = method, variant
+        self.num_stages = len(stages)
+        self.transport = resolve_transport(transport, gpus_per_stage > 0)
+        self.max_in_flight = max_in_flight
+        self._owns_pg = placement_group is None
+        if placement_group is None:
+            bundle = {"CPU": cpus_per_stage, **({"GPU": gpus_per_stage} if gpus_per_stage else {})}
+            placement_group = ray.util.placement_group([bundle] * self.num_stages, strategy=placement_strategy)
+            ray.get(placement_group.ready())
+            bundle_offset = 0
+        self.pg = placement_group
+        env = {"env_vars": dict(_ZERO_COPY)} if self.transport == "object_store" else None
+        self.actors = [
+            StageActor.options(
+                num_cpus=cpus_per_stage,
+                num_gpus=gpus_per_stage,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=bundle_offset + k
+                ),
+                runtime_env=env,
+            ).remote(stage, max(1, int(cpus_per_stage)))
+            for k, stage in enumerate(stages)
+        ]
+        ray.get([a.stats.remote() for a in self.actors])  # wait until every actor is up
+        self._rdt = self.transport in ("gloo", "nccl") and self.num_stages > 1
+        if self._rdt:
+            from ray.experimental.collective import create_collective_group
+
+            create_collective_group(self.actors, backend=self.transport)
+
+    def load(self, stages: Sequence[Stage]) -> None:
+        """Ship new stages to the live actors (same count), e.g. to restart from other weights."""
+        if len(stages) != self.num_stages:
+            raise ValueError(f"got {len(stages)} stages for {self.num_stages} actors")
+        ray.get([a.load.remote(st) for a, st in zip(self.actors, stages)])
+
+    def _call(self, method: Any, sends_tensors: bool) -> Any:
+        if self._rdt and sends_tensors:
+            return method.options(tensor_transport=self.transport)
+        return method
+
+    def run(
+        self,
+        schedule: Schedule,
+        microbatches: Iterable[tuple[Activation, torch.Tensor]],
+        on_loss: Callable[[int, float], None] | None = None,
+        report_every: int = 10,
+    ) -> list[float]:
+        """See ``Executor.run``; losses are fetched from the last stage every ``report_every`` micro-batches."""
+        n = self.num_stages
+        check_stages(schedule, n)
+        feed = MicrobatchFeed(microbatches, schedule.microbatches)
+        losses: dict[int, float] = {}
+        reports: deque = deque()  # pop_losses refs, oldest first
+        last_forwards = 0
+        s = schedule.version_differences(self.variant) if self.method == "spectrain" else None
+        window = max(self.max_in_flight or 0, schedule.max_in_flight(0))
+        acts: dict[tuple[int, int], Any] = {}
+        grads: dict[tuple[int, int], Any] = {}
+        done0: deque = deque()  # stage-0 backward refs not yet waited on, oldest first
+        started0 = finished0 = 0  # stage-0 forwards submitted, stage-0 backwards known done
+        last = n - 1
+        for p in plan(schedule, self.method, self.variant):
+            a, k, m = p.action, p.action.stage, p.action.microbatch
+            actor = self.actors[k]
+            if a.kind == "F":
+                if k == 0:
+                    while started0 - finished0 >= window and done0:
+                        ray.get(done0.popleft())  # raises here if any stage failed on that micro-batch
+                        finished0 += 1
+                    started0 += 1
+                    self._collect(reports, losses, on_loss, block=False)
+                x = feed.input(m) if k == 0 else acts.pop((k - 1, m))
+                if p.fused:
+                    sb, update = fused_backward(schedule, m, s)
+                    ref = self._call(actor.forward_backward, k > 0).remote(m, x, feed.labels(m), p.s, sb, update)
+                    self._after_backward(k, m, ref, grads, done0)
+                elif k == last:
+                    actor.forward.remote(m, x, feed.labels(m), p.s)
+                else:
+                    acts[(k, m)] = self._call(actor.forward, True).remote(m, x, None, p.s)
+            else:
+                g = None if k == last else grads.pop((k + 1, m))
+                ref = self._call(actor.backward, k > 0).remote(m, g, p.s, a.update)
+                self._after_backward(k, m, ref, grads, done0)
+            if k == last and a.kind == "F":
+                last_forwards += 1
+                if on_loss is not None and last_forwards % report_every == 0:
+                    reports.append(self.actors[last].pop_losses.remote())
+        ray.get(list(done0))
+        reports.append(self.actors[last].pop_losses.remote())
+        self._collect(reports, losses, on_loss, block=True)
+        return [losses[m] for m in range(schedule.microbatches)]
+
+    @staticmethod
+    def _collect(reports: deque, losses: dict, on_loss: Callable | None, block: bool) -> None:
+        while reports:
+            if not block and not ray.wait([reports[0]], timeout=0)[0]:
+                return
+            for m, loss in sorted(ray.get(reports.popleft()).items()):
+                losses[m] = loss
+                if on_loss is not None:
+                    on_loss(m, loss)
+
+    @staticmethod
+    def _after_backward(k: int, m: int, ref: Any, grads: dict, done0: deque) -> None:
+        if k == 0:
+            done0.append(ref)
+        else:
+            grads[(k, m)] = ref
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        merged: dict[str, torch.Tensor] = {}
+        for part in ray.get([a.state_dict.remote() for a in self.actors]):
+            merged.update({k: v.clone() for k, v in part.items()})  # writable, not shared memory
+        return merged
+
+    def stage_stats(self) -> list[dict]:
+        return ray.get([a.stats.remote() for a in self.actors])
+
+    def stages(self) -> list[Stage]:
+        """Copies of the live stages (weights, optimizer, version), fetched from the actors."""
+        return ray.get([a.get_stage.remote() for a in self.actors])
+
+    def records(self) -> list[list[dict[str, Any]]]:
+        return ray.get([a.records.remote() for a in self.actors])
+
+    def close(self) -> None:
+        for a in getattr(self, "actors", []):
+            ray.kill(a)
+        self.actors = []
+        if getattr(self, "_owns_pg", False) and getattr(self, "pg", None) is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

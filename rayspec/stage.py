@@ -1,0 +1,350 @@
+"""One pipeline stage in plain PyTorch: its sub-module, optimizer, version counter and staleness policy.
+
+A ``Stage`` knows nothing of Ray or of the schedule's order; executors call ``forward`` and
+``backward`` per micro-batch, and a ``B`` whose action carries ``update`` steps the optimizer.
+
+Staleness policies (DESIGN §2):
+
+* ``none`` (``vanilla``, ``gpipe``, ``async``): every action runs at the stored weights.
+* ``stash`` (``pipedream``): ``F(m)`` records the version it used; ``B(m)`` puts exactly
+  those weights into the parameter storage for its backward. One copy per version in
+  flight, at most ``N - k`` on stage ``k``.
+* ``predict`` (``spectrain``): for an action ``s`` versions ahead, the storage holds
+  ``W - s * lr * v`` during the action and is restored bit-exactly from one scratch copy
+  afterwards; no weight copy outlives the action.
+
+[Note: mixed backward] Autograd's saved tensors alias the parameter storage, so a backward
+uses whatever the storage holds *during the backward* together with the activations saved
+at the forward. With ``backward="mixed"`` (the default, as the paper and the authors' code
+run it) an asynchronous backward therefore mixes two weight versions. With
+``backward="recompute"`` the forward keeps only its input and the backward recomputes the
+stage's forward at the backward's weights (restoring the forward's RNG state): gradients
+are then exact at those weights, at the price of one more forward. ``stash`` is exact
+either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from rayspec.optim import SGD, LRSchedule
+
+__all__ = ["Stage", "Activation", "POLICIES", "METHOD_POLICY"]
+
+log = logging.getLogger(__name__)
+
+Activation = Any  # a tensor, or a tuple of tensors
+POLICIES = ("none", "stash", "predict")
+METHOD_POLICY = {"vanilla": "none", "gpipe": "none", "async": "none", "pipedream": "stash", "spectrain": "predict"}
+
+
+@dataclass
+class _InFlight:
+    inputs: Activation  # detached stage input (leaves that require grad where float)
+    outputs: Activation | None  # outputs with graph; None under recompute
+    version: int
+    rng: tuple[torch.Tensor, ...] | None = None
+    labels: torch.Tensor | None = None  # last stage under recompute
+
+
+@dataclass
+class StageStats:
+    """Per-stage counters: actions run, busy seconds per kind, peak copies kept."""
+
+    actions: dict[str, int] = field(default_factory=lambda: {"F": 0, "B": 0})
+    busy_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
+    peak_stash: int = 0
+    peak_weight_bytes: int = 0
+
+
+class Stage:
+    """Stage ``index`` of ``num_stages``: runs forwards and backwards of micro-batches.
+
+    Args:
+        module: the stage's slice of the model.
+        index: ``k``, 0-based; stage 0 takes the input.
+        num_stages: ``N``.
+        policy: ``none``, ``stash`` or ``predict`` (see the module docstring).
+        lr: learning rate per update count.
+        momentum, weight_decay, dampening, nesterov: SGD settings (``rayspec.optim.SGD``).
+        group: micro-batches accumulated per update; the last stage scales its loss by ``1/group``.
+        backward: ``mixed`` or ``recompute``.
+        loss_fn: loss of the last stage, ``loss_fn(output, labels)``; default cross-entropy.
+        device: where the stage computes.
+        record: keep, per action, the weights it used and what was stored before and after
+            (tests and debugging only: one weight copy per action).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        index: int,
+        num_stages: int,
+        *,
+        policy: str = "none",
+        lr: LRSchedule | float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        group: int = 1,
+        backward: str = "mixed",
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        device: str | torch.device = "cpu",
+        record: bool = False,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r} is unknown; choose one of {', '.join(POLICIES)}")
+        if backward not in ("mixed", "recompute"):
+            raise ValueError(f"backward={backward!r} is unknown; choose mixed or recompute")
+        self.index, self.num_stages = index, num_stages
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.policy, self.backward_mode, self.group = policy, backward, group
+        self.device = torch.device(device)
+        self.module = module.to(self.device)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.lr = lr if isinstance(lr, LRSchedule) else LRSchedule(float(lr))
+        self.optimizer = SGD(self.params, momentum, weight_decay, dampening, nesterov, keep_velocity=policy == "predict")
+        self.loss_fn = loss_fn or nn.functional.cross_entropy
+        self.version = 0
+        self.pending = 0  # backwards accumulated since the last update
+        self.inflight: dict[int, _InFlight] = {}
+        self.stash: dict[int, tuple[list[torch.Tensor], int]] = {}  # version -> (weights, users)
+        self.scratch: list[torch.Tensor] | None = None  # one copy, allocated on first use
+        self.stats = StageStats()
+        self.record = record
+        self.records: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ actions
+    def forward(self, m: int, x: Activation, labels: torch.Tensor | None = None, s: int = 0) -> Activation:
+        """Run ``F(m)``; on the last stage ``labels`` give the loss, which is returned instead of the output.
+
+        Args:
+            s: versions ahead to predict (``predict`` policy only).
+        """
+        t0 = time.perf_counter()
+        inputs = _prepare_input(x, self.device, requires_grad=not self.is_first)
+        if self.policy == "stash":
+            self._stash_current()
+        rng = _rng_state(self.device) if self.backward_mode == "recompute" else None
+        with self._weights_for("F", m, s):
+            if self.backward_mode == "recompute":
+                with torch.no_grad():
+                    out = self.module(inputs)
+                keep = None
+            else:
+                out = keep = self.module(inputs)
+            result: Activation
+            if self.is_last:
+                if labels is None:
+                    raise ValueError("the last stage needs labels to compute the loss")
+                labels = labels.to(self.device)
+                with torch.set_grad_enabled(keep is not None):
+                    loss = self.loss_fn(out, labels) / self.group
+                keep = loss if keep is not None else None
+                result = loss.detach()
+            else:
+                result = _detach(out)
+        held_labels = labels if self.is_last and keep is None else None
+        self.inflight[m] = _InFlight(inputs, keep, self.version, rng, held_labels)
+        if self.record:
+            self.records[-1].update(inputs=_detach(inputs), labels=labels)
+        self._account("F", t0)
+        return result
+
+    def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False) -> Activation | None:
+        """Run ``B(m)`` with the gradient of the stage output (none on the last stage); return the input gradient.
+
+        Args:
+            s: versions ahead to predict (``predict`` policy, ``paper`` variant).
+            update: step the optimizer after this backward.
+        """
+        t0 = time.perf_counter()
+        job = self.inflight.pop(m)
+        if self.policy == "stash":
+            ctx = self._stashed_weights(job.version, m)
+        else:
+            ctx = self._weights_for("B", m, s)
+        with ctx:
+            outputs = job.outputs
+            if outputs is None:  # recompute at the weights in storage now
+                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                    _set_rng_state(job.rng, self.device)
+                    outputs = self.module(job.inputs)
+                if self.is_last:
+                    outputs = self.loss_fn(outputs, job.labels) / self.group
+            if self.is_last:
+                outputs.backward()
+            else:
+                pairs = [(o, g) for o, g in zip(_flat(outputs), _flat(grad)) if g is not None and o.requires_grad]
+                torch.autograd.backward([o for o, _ in pairs], [g.to(self.device) for _, g in pairs])
+        grad_in = None if self.is_first else _input_grad(job.inputs)
+        if self.record:
+            self.records[-1].update(
+                inputs=_detach(job.inputs), grad_output=grad, labels=job.labels,
+                grads=[None if p.grad is None else p.grad.clone() for p in self.params],
+            )
+        if self.policy == "stash":
+            self._release(job.version)
+        self.pending += 1
+        if update:
+            self.step()
+        self._account("B", t0)
+        return grad_in
+
+    def step(self) -> None:
+        """Apply the accumulated gradient: one update, one version."""
+        self.optimizer.step(self.lr(self.version))
+        self.optimizer.zero_grad()
+        self.version += 1
+        self.pending = 0
+
+    # --------------------------------------------------------------- weights
+    def _weights_for(self, kind: str, m: int, s: int) -> "_WeightSwap":
+        if self.policy != "predict" or s == 0:
+            return _WeightSwap(self, kind, m, s, None)
+        lr = self.lr(self.version)
+        predicted = []
+        for i, p in enumerate(self.params):
+            v = self.optimizer.velocity(i)
+            predicted.append(None if v is None else (v, -s * lr))
+        return _WeightSwap(self, kind, m, s, predicted)
+
+    def _stashed_weights(self, version: int, m: int) -> "_WeightSwap":
+        if version == self.version:
+            return _WeightSwap(self, "B", m, 0, None)
+        return _WeightSwap(self, "B", m, 0, [(w, None) for w in self.stash[version][0]])
+
+    def _stash_current(self) -> None:
+        weights, users = self.stash.get(self.version, (None, 0))
+        if weights is None:
+            weights = [p.data.clone() for p in self.params]
+        self.stash[self.version] = (weights, users + 1)
+        self.stats.peak_stash = max(self.stats.peak_stash, len(self.stash))
+        self._track_memory()
+
+    def _release(self, version: int) -> None:
+        weights, users = self.stash[version]
+        if users == 1:
+            del self.stash[version]
+        else:
+            self.stash[version] = (weights, users - 1)
+
+    def _scratch(self) -> list[torch.Tensor]:
+        if self.scratch is None:
+            self.scratch = [torch.empty_like(p.data) for p in self.params]
+            self._track_memory()
+        return self.scratch
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of parameter-sized state held now: weights, optimizer state, scratch copy, stash."""
+        size = sum(p.numel() * p.element_size() for p in self.params)
+        return {
+            "weights": size,
+            "optimizer": self.optimizer.state_bytes(),
+            "scratch": size if self.scratch is not None else 0,
+            "stash": size * len(self.stash),
+        }
+
+    def _track_memory(self) -> None:
+        self.stats.peak_weight_bytes = max(self.stats.peak_weight_bytes, sum(self.weight_bytes().values()))
+
+    def _account(self, kind: str, t0: float) -> None:
+        self.stats.actions[kind] += 1
+        self.stats.busy_s[kind] += time.perf_counter() - t0
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def drained(self) -> bool:
+        return not self.inflight and self.pending == 0
+
+
+class _WeightSwap:
+    """Context that puts other weights into the parameter storage for one action and restores them bit-exactly.
+
+    ``swaps[i]`` is ``None`` (keep parameter ``i``), ``(v, alpha)`` (storage becomes ``W + alpha * v``)
+    or ``(w, None)`` (storage becomes ``w``). The stored weights are saved into the stage's one
+    scratch copy and copied back afterwards.
+    """
+
+    def __init__(self, stage: Stage, kind: str, m: int, s: int, swaps: list | None) -> None:
+        self.stage, self.kind, self.m, self.s, self.swaps = stage, kind, m, s, swaps
+
+    def __enter__(self) -> None:
+        st = self.stage
+        before = [p.data.clone() for p in st.params] if st.record else None
+        if self.swaps is not None:
+            scratch = st._scratch()
+            with torch.no_grad():
+                for p, buf, swap in zip(st.params, scratch, self.swaps):
+                    if swap is None:
+                        continue
+                    buf.copy_(p.data)
+                    t, alpha = swap
+                    if alpha is None:
+                        p.data.copy_(t)
+                    else:
+                        p.data.add_(t, alpha=alpha)
+        if st.record:
+            self.before = before
+            self.used = [p.data.clone() for p in st.params]
+
+    def __exit__(self, *exc: object) -> None:
+        st = self.stage
+        if self.swaps is not None:
+            with torch.no_grad():
+                for p, buf, swap in zip(st.params, st.scratch, self.swaps):  # type: ignore[arg-type]
+                    if swap is not None:
+                        p.data.copy_(buf)
+        if st.record:
+            st.records.append(
+                {"kind": self.kind, "microbatch": self.m, "version": st.version, "s": self.s,
+                 "before": self.before, "used": self.used, "after": [p.data.clone() for p in st.params]}
+            )
+
+
+# --------------------------------------------------------------------- helpers
+def _flat(x: Activation) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _prepare_input(x: Activation, device: torch.device, requires_grad: bool) -> Activation:
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device).detach()
+        if requires_grad and t.is_floating_point():
+            t.requires_grad_(True)
+        return t
+
+    return tuple(one(t) for t in x) if isinstance(x, (tuple, list)) else one(x)
+
+
+def _detach(x: Activation) -> Activation:
+    return tuple(t.detach() for t in x) if isinstance(x, (tuple, list)) else x.detach()
+
+
+def _input_grad(inputs: Activation) -> Activation:
+    grads = tuple(t.grad if t.requires_grad else None for t in _flat(inputs))
+    return grads if isinstance(inputs, tuple) else grads[0]
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, ...]:
+    state = (torch.get_rng_state(),)
+    if device.type == "cuda":
+        state += (torch.cuda.get_rng_state(device),)
+    return state
+
+
+def _set_rng_state(state: tuple[torch.Tensor, ...] | None, device: torch.device) -> None:
+    if state is None:
+        return
+    torch.set_rng_state(state[0])
+    if device.type == "cuda" and len(state) > 1:
+        torch.cuda.set_rng_state(state[1], device)

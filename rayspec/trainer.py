@@ -1,0 +1,241 @@
+"""The training loop behind ``python -m rayspec.train``: build, validate, run segments, write the run directory."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from rayspec.config import Config, ConfigError
+from rayspec.data import DataBundle, build_data
+from rayspec.data.loader import eval_batches, train_batches
+from rayspec.executor import Executor, LocalExecutor
+from rayspec.models import build_model, model_options
+from rayspec.optim import LRSchedule
+from rayspec.partition import check_balance, split, uniform
+from rayspec.schedule import METHOD_SCHEDULE, build_schedule
+from rayspec.stage import METHOD_POLICY, Stage
+
+__all__ = ["Prepared", "prepare", "build_stages", "train"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """Everything a run needs that can be built and checked before Ray starts."""
+
+    config: Config
+    data: DataBundle
+    model: nn.Sequential
+    balance: list[int]
+
+
+def prepare(config: Config) -> Prepared:
+    """Validate the config, build data and model, and choose the partition; raises before any Ray work."""
+    config.validate()
+    torch.manual_seed(config.seed)
+    data_opts = {k: v for k, v in config.data.items() if k not in ("name", "root")}
+    data = build_data(config.data["name"], root=config.data.get("root"), seed=config.seed, **data_opts)
+    torch.manual_seed(config.seed)  # the model's initial weights depend on the seed only
+    model = build_model(config.model["name"], data.info, config.model.get("size", "full"), **model_options(config.model))
+    p = config.pipeline
+    if p.balance is not None:
+        balance = check_balance(p.balance, len(model), p.stages)
+    elif p.partition == "uniform":
+        balance = uniform(len(model), p.stages)
+    else:
+        balance = _planned_balance(model, data, config)
+    n_train = len(data.train)  # type: ignore[arg-type]
+    if config.train.batch_size > n_train:
+        raise ConfigError(
+            f"train.batch_size={config.train.batch_size} exceeds the training set ({n_train} samples); lower it"
+        )
+    return Prepared(config, data, model, balance)
+
+
+def _planned_balance(model: nn.Sequential, data: DataBundle, config: Config) -> list[int]:
+    from rayspec import partition
+
+    p = config.pipeline
+    uniform(len(model), p.stages)  # the same clear error for too many stages
+    if not hasattr(partition, "plan"):
+        raise ConfigError(f"pipeline.partition={p.partition} is not available in this build; use uniform or balance")
+    sample = next(iter(eval_batches(data.train, min(config.train.batch_size, 32))))[0]
+    planned = partition.plan(model, p.stages, partition=p.partition, sample_input=sample)
+    log.info("partition (%s):\n%s", p.partition, planned.table())
+    return list(planned.balance)
+
+
+def lr_schedule(config: Config) -> LRSchedule:
+    o = config.optim
+    return LRSchedule(o.lr, o.schedule, config.train.max_steps, o.warmup, o.power, o.min_lr)
+
+
+def build_stages(prepared: Prepared, device: str = "cpu", record: bool = False) -> list[Stage]:
+    """Cut the model along the balance into stages with the method's policy and the optimizer settings."""
+    c, o = prepared.config, prepared.config.optim
+    model = copy.deepcopy(prepared.model)
+    n = c.pipeline.stages
+    group = c.pipeline.microbatches if c.pipeline.method == "gpipe" else 1
+    return [
+        Stage(
+            part, k, n, policy=METHOD_POLICY[c.pipeline.method], lr=lr_schedule(c), momentum=o.momentum,
+            weight_decay=o.weight_decay, dampening=o.dampening, nesterov=o.nesterov, group=group,
+            backward=c.pipeline.backward, device=device, record=record,
+        )
+        for k, part in enumerate(split(model, prepared.balance))
+    ]
+
+
+def _microbatches(batches: Iterator[tuple[torch.Tensor, ...]], chunks: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for x, y in batches:
+        if chunks == 1:
+            yield x, y
+        else:
+            yield from zip(x.chunk(chunks), y.chunk(chunks))
+
+
+def make_executor(prepared: Prepared, stages: list[Stage]) -> Executor:
+    p = prepared.config.pipeline
+    if p.executor == "local":
+        return LocalExecutor(stages, p.method, p.variant)
+    import ray
+
+    from rayspec.ray_executor import RayExecutor
+
+    if not ray.is_initialized():
+        opts = prepared.config.ray
+        ray.init(address=opts.get("address"), num_cpus=opts.get("num_cpus"), include_dashboard=False,
+                 log_to_driver=opts.get("log_to_driver", True))
+    gpus = p.gpus_per_stage if p.gpus_per_stage is not None else (1.0 if torch.cuda.is_available() else 0.0)
+    cpus = p.cpus_per_stage
+    if cpus is None:
+        total = ray.cluster_resources().get("CPU", 1.0)
+        cpus = max(0.01, math.floor(min(1.0, total / p.stages) * 100) / 100)
+    return RayExecutor(
+        stages, p.method, p.variant, transport=p.transport, cpus_per_stage=cpus, gpus_per_stage=gpus,
+        max_in_flight=p.max_in_flight, placement_strategy=p.placement.upper(),
+    )
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, state: dict[str, torch.Tensor], dataset: Any, batch_size: int) -> dict[str, float]:
+    """Loss and accuracy of the merged weights on a split, on the driver."""
+    model = copy.deepcopy(model).eval()
+    model.load_state_dict(state)
+    total, loss, correct = 0, 0.0, 0
+    for x, y in eval_batches(dataset, batch_size):
+        out = model(x)
+        loss += nn.functional.cross_entropy(out, y, reduction="sum").item()
+        correct += (out.argmax(-1) == y).sum().item()
+        total += len(y)
+    return {"val_loss": loss / total, "val_accuracy": correct / total}
+
+
+class _Progress:
+    """Turns per-micro-batch losses into per-update records, console lines and ``metrics.jsonl``."""
+
+    def __init__(self, config: Config, metrics: Any, echo: Callable[[str], None]) -> None:
+        self.c, self.metrics, self.echo = config, metrics, echo
+        self.group = config.pipeline.microbatches if config.pipeline.method == "gpipe" else 1
+        self.lr = lr_schedule(config)
+        self.t0 = time.perf_counter()
+        self.updates = 0
+        self.window: list[float] = []
+        self.partial: list[float] = []
+        self.last_loss = float("nan")
+
+    def loss(self, _m: int, value: float) -> None:
+        self.partial.append(value)
+        if len(self.partial) < self.group:
+            return
+        update_loss, self.partial = sum(self.partial), []  # gpipe losses are scaled by 1/group already
+        self.updates += 1
+        self.window.append(update_loss)
+        if self.updates % self.c.train.log_every == 0 or self.updates == self.c.train.max_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.window:
+            return
+        elapsed = time.perf_counter() - self.t0
+        rate = self.updates * self.c.train.batch_size / max(elapsed, 1e-9)
+        self.last_loss = sum(self.window) / len(self.window)
+        eta = (self.c.train.max_steps - self.updates) * self.c.train.batch_size / max(rate, 1e-9)
+        rec = {"step": self.updates, "loss": self.last_loss, "lr": self.lr(self.updates - 1), "samples_per_s": rate,
+               "elapsed_s": elapsed}
+        self.write(rec)
+        self.echo(f"step {self.updates:>6}/{self.c.train.max_steps}  loss {self.last_loss:.4f}  "
+                  f"{rate:8.1f} samples/s  eta {eta:6.1f}s")
+        self.window = []
+
+    def write(self, rec: dict) -> None:
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+
+
+def train(config: Config, run_dir: str | os.PathLike, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train as configured and write ``metrics.jsonl``, ``summary.json`` and ``model.pt`` into ``run_dir``."""
+    prepared = prepare(config)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    c, p = config, config.pipeline
+    stages = build_stages(prepared, device="cuda" if torch.cuda.is_available() and p.executor == "ray" and
+                          (p.gpus_per_stage or 0) > 0 else "cpu")
+    n_blocks = ", ".join(str(b) for b in prepared.balance)
+    echo(f"rayspec: {p.method} ({p.variant}) on {p.stages} stages [{n_blocks} blocks], model={c.model['name']}"
+         f"/{c.model.get('size', 'full')}, data={c.data['name']}, executor={p.executor}")
+    group = p.microbatches if p.method == "gpipe" else 1
+    schedule_name = METHOD_SCHEDULE[p.method]
+    stream = _microbatches(train_batches(prepared.data.train, c.train.batch_size, c.seed), group)
+    segment = c.train.eval_every or c.train.max_steps
+    evals: dict[str, float] = {}
+    t_start = time.perf_counter()
+    with open(run_dir / "metrics.jsonl", "w") as metrics, make_executor(prepared, stages) as executor:
+        progress = _Progress(c, metrics, echo)
+        progress.t0 = time.perf_counter()
+        done = 0
+        while done < c.train.max_steps:
+            updates = min(segment, c.train.max_steps - done)
+            schedule = build_schedule(schedule_name, p.stages, updates * group, group=group)
+            losses = executor.run(schedule, stream, on_loss=progress.loss)
+            if not all(math.isfinite(x) for x in losses):
+                raise FloatingPointError(f"the loss became non-finite by update {done + updates}; lower optim.lr")
+            done += updates
+            if prepared.data.val is not None:
+                evals = evaluate(prepared.model, executor.state_dict(), prepared.data.val, c.train.eval_batch_size)
+                progress.write({"step": done, **evals})
+                echo(f"eval  {done:>6}  val_loss {evals['val_loss']:.4f}  val_accuracy {evals['val_accuracy']:.4f}")
+        progress.flush()
+        train_s = time.perf_counter() - progress.t0
+        state = executor.state_dict()
+        stats = executor.stage_stats()
+    torch.save(state, run_dir / "model.pt")
+    for st in stats:
+        busy = st["busy_s"]["F"] + st["busy_s"]["B"]
+        per = busy / max(1, st["actions"]["F"] + st["actions"]["B"]) * 1e3
+        st["busy_fraction"] = busy / max(train_s, 1e-9)
+        echo(f"stage {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}")
+    summary = {
+        "method": p.method, "variant": p.variant, "stages": p.stages, "model": c.model["name"],
+        "model_size": c.model.get("size", "full"), "dataset": c.data["name"], "executor": p.executor,
+        "transport": p.transport, "balance": prepared.balance, "updates": done,
+        "final_train_loss": progress.last_loss, "val_loss": evals.get("val_loss"),
+        "val_accuracy": evals.get("val_accuracy"),
+        "samples_per_s": done * c.train.batch_size / max(train_s, 1e-9), "wall_s": time.perf_counter() - t_start,
+        "seed": c.seed, "stage_stats": stats, "config": asdict(c),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    echo(f"done: {done} updates, final loss {progress.last_loss:.4f}, val_accuracy {summary['val_accuracy']}, "
+         f"{summary['samples_per_s']:.1f} samples/s; wrote {run_dir}")
+    return summary
