@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from collections import deque
 from typing import Any, Callable, Iterable, Sequence
 
@@ -244,7 +245,10 @@ class RayExecutor(Executor):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         merged: dict[str, torch.Tensor] = {}
-        for part in ray.get([a.state_dict.remote() for a in self.actors]):
+        with warnings.catch_warnings():  # Ray hands out read-only tensors; we copy them right away
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            parts = ray.get([a.state_dict.remote() for a in self.actors])
+        for part in parts:
             merged.update({k: v.clone() for k, v in part.items()})  # writable, not shared memory
         return merged
 

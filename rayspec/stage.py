@@ -204,6 +204,8 @@ class Stage:
         self.optimizer.zero_grad()
         self.version += 1
         self.pending = 0
+        if self.version == 1:  # the optimizer's state exists from the first step on
+            self._track_memory()
 
     # --------------------------------------------------------------- weights
     def _weights_for(self, kind: str, m: int, s: int) -> "_WeightSwap":
@@ -219,7 +221,11 @@ class Stage:
     def _stashed_weights(self, version: int, m: int) -> "_WeightSwap":
         if version == self.version:
             return _WeightSwap(self, "B", m, 0, None)
-        return _WeightSwap(self, "B", m, 0, [(w, None) for w in self.stash[version][0]])
+        # In steady state the current version is stashed too (the latest forward used it):
+        # restore from that copy and need no scratch at all.
+        current = self.stash.get(self.version)
+        return _WeightSwap(self, "B", m, 0, [(w, None) for w in self.stash[version][0]],
+                           restore=None if current is None else current[0])
 
     def _stash_current(self) -> None:
         weights, users = self.stash.get(self.version, (None, 0))
@@ -275,19 +281,22 @@ class _WeightSwap:
     scratch copy and copied back afterwards.
     """
 
-    def __init__(self, stage: Stage, kind: str, m: int, s: int, swaps: list | None) -> None:
+    def __init__(self, stage: Stage, kind: str, m: int, s: int, swaps: list | None,
+                 restore: list[torch.Tensor] | None = None) -> None:
         self.stage, self.kind, self.m, self.s, self.swaps = stage, kind, m, s, swaps
+        self.restore = restore  # an existing copy of the stored weights; then no scratch is used
 
     def __enter__(self) -> None:
         st = self.stage
         before = [p.data.clone() for p in st.params] if st.record else None
         if self.swaps is not None:
-            scratch = st._scratch()
+            scratch = self.restore if self.restore is not None else st._scratch()
             with torch.no_grad():
                 for p, buf, swap in zip(st.params, scratch, self.swaps):
                     if swap is None:
                         continue
-                    buf.copy_(p.data)
+                    if self.restore is None:
+                        buf.copy_(p.data)
                     t, alpha = swap
                     if alpha is None:
                         p.data.copy_(t)
@@ -296,17 +305,20 @@ class _WeightSwap:
         if st.record:
             self.before = before
             self.used = [p.data.clone() for p in st.params]
+            self.velocity = [None if v is None else v.clone() for v in st.optimizer.buffers]
 
     def __exit__(self, *exc: object) -> None:
         st = self.stage
         if self.swaps is not None:
+            source = self.restore if self.restore is not None else st.scratch
             with torch.no_grad():
-                for p, buf, swap in zip(st.params, st.scratch, self.swaps):  # type: ignore[arg-type]
+                for p, buf, swap in zip(st.params, source, self.swaps):  # type: ignore[arg-type]
                     if swap is not None:
                         p.data.copy_(buf)
         if st.record:
             st.records.append(
                 {"kind": self.kind, "microbatch": self.m, "version": st.version, "s": self.s,
+                 "lr": st.lr(st.version), "velocity": self.velocity,
                  "before": self.before, "used": self.used, "after": [p.data.clone() for p in st.params]}
             )
 

@@ -1,0 +1,105 @@
+"""VGG-16 (Simonyan & Zisserman 2015) from torchvision, adapted to 32x32 CIFAR images, as blocks.
+
+Adaptation (as CIFAR VGGs commonly do): the features are torchvision's ``make_layers`` of
+configuration ``D`` (13 3x3 convs, 5 max-pools), whose first conv takes the data's channels; at
+32x32 they end in a 512x1x1 map, so ``avgpool`` is ``AdaptiveAvgPool2d(1)`` and the classifier is
+``Linear(512, 512)/ReLU/Dropout, Linear(512, 512)/ReLU/Dropout, Linear(512, classes)`` instead of
+the ImageNet 7x7x512 -> 4096 one. ``small`` halves every width and ``tiny`` divides them by 8
+(same 13 convs and 3 linears); weights are initialised as torchvision's ``VGG`` does.
+
+Blocks: one per conv (with its ReLU and the max-pool that follows), then the pooling+first linear
+layer, the second linear layer and the output layer: 16 blocks at every size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torchvision.models.vgg import VGG, cfgs, make_layers
+
+from rayspec.data import DataInfo
+from rayspec.models import register
+from rayspec.models._util import image_channels, no_options, pick
+
+# width divisor per size
+_SIZES = {"full": 1, "small": 2, "tiny": 8}
+
+
+class CifarVGG(VGG):
+    """torchvision's ``VGG`` (its ``forward``) with the CIFAR classifier on a 1x1 feature map.
+
+    ``VGG.__init__`` always builds the 25088 -> 4096 ImageNet classifier, so this constructor
+    sets the three parts ``VGG.forward`` uses itself and initialises them as ``VGG`` does.
+
+    Args:
+        features: the conv layers, as built by ``torchvision.models.vgg.make_layers``.
+        width: channels of the last feature map and width of the hidden linear layers.
+        num_classes: number of output classes.
+        dropout: dropout probability of the hidden linear layers.
+    """
+
+    def __init__(self, features: nn.Sequential, width: int, num_classes: int, dropout: float = 0.5) -> None:
+        nn.Module.__init__(self)
+        self.features = features
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.classifier = nn.Sequential(
+            nn.Linear(width, width),
+            nn.ReLU(True),
+            nn.Dropout(p=dropout),
+            nn.Linear(width, width),
+            nn.ReLU(True),
+            nn.Dropout(p=dropout),
+            nn.Linear(width, num_classes),
+        )
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
+
+
+def torchvision_net(name: str, size: str, info: DataInfo) -> CifarVGG:
+    """The adapted torchvision VGG-16 at ``size`` for ``info``'s images (``name`` must be ``vgg16``)."""
+    channels = image_channels(name, info, min_size=32)
+    div = pick(_SIZES, size, name)
+    cfg = [v if v == "M" else int(v) // div for v in cfgs["D"]]
+    features = make_layers(cfg)
+    first = features[0]
+    features[0] = nn.Conv2d(channels, first.out_channels, kernel_size=3, padding=1)
+    return CifarVGG(features, 512 // div, info.num_classes)
+
+
+class _Head(nn.Module):
+    """``VGG.forward`` after the features: pool, flatten and the first classifier layer."""
+
+    def __init__(self, avgpool: nn.Module, first: nn.Sequential) -> None:
+        super().__init__()
+        self.avgpool = avgpool
+        self.classifier = first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(x), 1))
+
+
+def to_blocks(net: VGG) -> nn.Sequential:
+    """Cut ``net`` after each conv's ReLU (a following max-pool stays with it) and each linear layer."""
+    blocks: list[nn.Module] = []
+    for layer in net.features:
+        if isinstance(layer, nn.Conv2d):
+            blocks.append(nn.Sequential(layer))
+        else:
+            blocks[-1].append(layer)
+    c = net.classifier
+    blocks += [_Head(net.avgpool, c[0:3]), c[3:6], c[6]]
+    return nn.Sequential(*blocks)
+
+
+@register("vgg16")
+def vgg16(size: str, info: DataInfo, **options: Any) -> nn.Sequential:
+    """VGG-16 for 32x32 images; see the module docstring."""
+    no_options("vgg16", options)
+    return to_blocks(torchvision_net("vgg16", size, info))

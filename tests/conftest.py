@@ -1,0 +1,82 @@
+"""Shared fixtures: one Ray instance per test session, small models and data."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from rayspec.data import build_data
+from rayspec.executor import LocalExecutor
+from rayspec.models import build_model
+from rayspec.partition import split, uniform
+from rayspec.schedule import METHOD_SCHEDULE, build_schedule
+from rayspec.stage import METHOD_POLICY, Stage
+
+METHODS = ("vanilla", "gpipe", "async", "pipedream", "spectrain")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole session: 2 CPUs, stage actors take fractions of them."""
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """A tiny MLP (7 blocks) and its synthetic data."""
+    torch.manual_seed(0)
+    data = build_data("synthetic_image", seed=0, train_size=2048, val_size=256)
+    model = build_model("mlp", data.info, "tiny")
+    return model, data
+
+
+def make_stages(model, method, n, *, lr=0.05, momentum=0.9, weight_decay=1e-4, group=None, record=False,
+                backward="mixed", nesterov=False):
+    group = group or 1
+    parts = split(copy.deepcopy(model), uniform(len(model), n))
+    return [
+        Stage(p, k, n, policy=METHOD_POLICY[method], lr=lr, momentum=momentum, weight_decay=weight_decay,
+              group=group, record=record, backward=backward, nesterov=nesterov)
+        for k, p in enumerate(parts)
+    ]
+
+
+def microbatches(data, updates, batch, group=1):
+    """``updates`` batches of ``batch`` samples, each split into ``group`` micro-batches."""
+    x, y = data.train.tensors
+    x, y = x[: updates * batch], y[: updates * batch]
+    return list(zip(x.split(batch // group), y.split(batch // group)))
+
+
+def run_local(model, data, method, n, updates=16, batch=32, group=None, variant="paper", **kw):
+    group = group or (4 if method == "gpipe" else 1)
+    stages = make_stages(model, method, n, group=group, **kw)
+    ex = LocalExecutor(stages, method, variant)
+    schedule = build_schedule(METHOD_SCHEDULE[method], n, updates * group, group=group)
+    losses = ex.run(schedule, microbatches(data, updates, batch, group))
+    return ex, losses, schedule
+
+
+def plain_sgd(model, data, updates, batch, lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=False):
+    """The reference: torch.optim.SGD on the whole model, one update per batch."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    for x, y in microbatches(data, updates, batch):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def assert_same_weights(a, b, **tol):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
