@@ -1,0 +1,116 @@
+"""The training entry point: the quickstart through the CLI, the output contract, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from rayspec.config import ConfigError, from_mapping
+from rayspec.data import DataError
+from rayspec.models import ModelError, build_model
+from rayspec.partition import PartitionError
+from rayspec.trainer import prepare, train
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def compose_config(*overrides: str):
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_quickstart_cli_writes_the_run_directory(tmp_path):
+    """The default run (4 stages, spectrain, Ray) through the real CLI: §4 files, and the loss falls."""
+    run_dir = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, "-m", "rayspec.train", f"hydra.run.dir={run_dir}", "ray.num_cpus=2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name in ("metrics.jsonl", "summary.json", "model.pt", ".hydra/config.yaml"):
+        assert (run_dir / name).exists(), name
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert steps[-1]["step"] == 300 and all(r["samples_per_s"] > 0 for r in steps)
+    assert steps[-1]["loss"] < 0.7 * steps[0]["loss"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("method", "stages", "model", "dataset", "updates", "final_train_loss", "val_accuracy",
+                "samples_per_s", "wall_s"):
+        assert key in summary
+    assert (summary["method"], summary["stages"], summary["updates"]) == ("spectrain", 4, 300)
+    assert summary["val_accuracy"] > 0.3  # 10 classes: chance is 0.1
+    assert "samples/s" in res.stderr + res.stdout and "stage 3: busy" in res.stderr + res.stdout
+    # model.pt is the merged state_dict, loadable into the model rayspec.models builds
+    config = from_mapping(compose_config())
+    prepared = prepare(config)
+    model = build_model("mlp", prepared.data.info, "small")
+    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+
+
+@pytest.mark.parametrize("method", ["vanilla", "gpipe", "async", "pipedream", "spectrain"])
+def test_every_method_trains_locally(tmp_path, method):
+    config = from_mapping(compose_config(f"pipeline.method={method}", "pipeline.executor=local", "train.max_steps=40",
+                                         "train.log_every=10", "model.size=tiny"))
+    summary = train(config, tmp_path, echo=lambda _: None)
+    assert summary["updates"] == 40 and summary["final_train_loss"] < 2.31
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len([line for line in lines if '"loss"' in line]) == 4
+
+
+def test_local_and_ray_runs_agree(tmp_path, ray_session):
+    common = ["pipeline.method=spectrain", "train.max_steps=20", "model.size=tiny", "pipeline.cpus_per_stage=0.5"]
+    a = train(from_mapping(compose_config(*common, "pipeline.executor=local")), tmp_path / "a", echo=lambda _: None)
+    b = train(from_mapping(compose_config(*common, "pipeline.executor=ray")), tmp_path / "b", echo=lambda _: None)
+    wa, wb = torch.load(tmp_path / "a" / "model.pt"), torch.load(tmp_path / "b" / "model.pt")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k])
+    assert a["final_train_loss"] == pytest.approx(b["final_train_loss"], rel=1e-5)
+
+
+BAD = [
+    (["pipeline.stages=0"], ConfigError, "pipeline.stages=0 must be >= 1"),
+    (["pipeline.stages=9"], PartitionError, "pipeline.stages=9 but the model has 7 blocks"),
+    (["pipeline.method=hogwild"], ConfigError, "pipeline.method='hogwild' is unknown; choose one of"),
+    (["pipeline.variant=v3"], ConfigError, "pipeline.variant='v3' is unknown"),
+    (["pipeline.transport=carrier_pigeon"], ConfigError, "pipeline.transport='carrier_pigeon' is unknown"),
+    (["pipeline.method=gpipe", "pipeline.microbatches=0"], ConfigError, "pipeline.microbatches=0 must be >= 1"),
+    (["pipeline.method=gpipe", "pipeline.microbatches=5"], ConfigError, "not divisible by pipeline.microbatches=5"),
+    (["optim.lr=0"], ConfigError, "optim.lr=0 must be a positive number"),
+    (["optim.lr=-0.1"], ConfigError, "optim.lr=-0.1 must be a positive number"),
+    (["optim.momentum=1.5"], ConfigError, "optim.momentum=1.5 must be in [0, 1)"),
+    (["pipeline.stages=two"], ConfigError, "pipeline.stages='two' must be an integer"),
+    (["pipeline.balance=[2,2,2,2]"], PartitionError, "sums to 8 but the model has 7 blocks"),
+    (["pipeline.balance=[4,3,0,0]"], PartitionError, "gives a stage no blocks"),
+    (["pipeline.balance=[4,3]"], ConfigError, "has 2 entries but pipeline.stages=4"),
+    (["train.max_steps=0"], ConfigError, "train.max_steps=0 must be >= 1"),
+    (["train.batch_size=100000"], ConfigError, "exceeds the training set"),
+    (["model.name=alexnet"], ModelError, "model='alexnet' is unknown"),
+    (["model.size=huge"], ModelError, "model.size='huge' is unknown"),
+    (["data.name=mnist"], DataError, "data='mnist' is unknown"),
+    (["+pipeline.stagse=3"], ConfigError, "unknown key(s) pipeline.stagse"),
+]
+if not torch.cuda.is_available():
+    BAD.append((["pipeline.transport=nccl"], ConfigError, "pipeline.transport=nccl needs GPUs"))
+
+
+@pytest.mark.parametrize("overrides,error,message", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_is_a_clear_error(overrides, error, message):
+    with pytest.raises(error) as info:
+        prepare(from_mapping(compose_config("model.size=tiny", *overrides)))
+    assert message in str(info.value)
+
+
+def test_cli_reports_bad_input_before_ray_starts(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "rayspec.train", "pipeline.stages=9", "model.size=tiny",
+                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "error: pipeline.stages=9 but the model has 7 blocks" in res.stderr
+    assert "Started a local Ray instance" not in res.stderr + res.stdout
