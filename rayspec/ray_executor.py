@@ -110,7 +110,7 @@ class RayExecutor(Executor):
         cpus_per_stage: CPUs reserved by each stage actor (fractional is fine on CPU).
         gpus_per_stage: GPUs per stage actor (1 on GPU machines, 0 on CPU).
         max_in_flight: micro-batches allowed between their stage-0 forward and backward; raised
-            to what the schedule itself needs.
+            to what the schedule itself needs; default twice that.
         placement_group: a group to place the stages in (e.g. a Tune trial's), stage ``k`` in
             bundle ``bundle_offset + k``; by default the executor creates and owns one.
         placement_strategy: ``PACK`` or ``SPREAD`` for the group it creates.
@@ -188,7 +188,11 @@ class RayExecutor(Executor):
         reports: deque = deque()  # pop_losses refs, oldest first
         last_forwards = 0
         s = schedule.version_differences(self.variant) if self.method == "spectrain" else None
-        window = max(self.max_in_flight or 0, schedule.max_in_flight(0))
+        # The bound is for memory; it must never stall the pipeline: the driver submits in one
+        # global order, so waiting on a recent backward would hold back calls that other stages
+        # could already run. Default: twice what the schedule itself keeps in flight.
+        need = schedule.max_in_flight(0)
+        window = max(self.max_in_flight or 2 * need, need)
         acts: dict[tuple[int, int], Any] = {}
         grads: dict[tuple[int, int], Any] = {}
         done0: deque = deque()  # stage-0 backward refs not yet waited on, oldest first

@@ -1,0 +1,66 @@
+"""Shared pieces of the benchmarks: a quiet Ray, sleep-timed blocks, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def start_ray(num_cpus: int | None = None) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+
+
+def machine() -> str:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores, {gpu}, torch {torch.__version__}"
+
+
+def write(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"benchmark": name, "machine": machine(), "date": time.strftime("%Y-%m-%d"), **payload}
+    path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+class _SleepGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, backward_s):  # type: ignore[override]
+        ctx.backward_s = backward_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        time.sleep(ctx.backward_s)
+        return g, None
+
+
+class SleepBlock(nn.Module):
+    """A block that takes ``forward_s`` to run forward and ``backward_s`` backward, using no CPU."""
+
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.forward_s)
+        return _SleepGrad.apply(x * self.scale, self.backward_s)
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    widths = {c: max(len(c), *(len(f"{r[c]}") for r in rows)) for c in columns}
+    lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
+    lines += ["  ".join(f"{r[c]}".ljust(widths[c]) for c in columns) for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""Pipeline efficiency: ideal schedule makespan over measured time, with sleep-timed stages (no CPU contention).
+
+    python -m benchmarks.efficiency [--quick] [--stages 4] [--microbatches 32] [--forward-ms 20] [--backward-ms 40]
+
+Each stage is one ``SleepBlock`` (F and B sleep, so CPU contention on a small machine does not
+mix into the figure); what remains above the ideal makespan is framework overhead on the
+critical path. Repeated runs; the best and median are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from benchmarks._common import SleepBlock, start_ray, table, write
+from rayspec.ray_executor import RayExecutor
+from rayspec.schedule import build_schedule
+from rayspec.stage import Stage
+
+
+def _stages(n: int, f: float, b: float, group: int) -> list[Stage]:
+    return [Stage(nn.Sequential(SleepBlock(f, b)), k, n, lr=1e-3, momentum=0.9, group=group,
+                  loss_fn=lambda out, y: out.float().mean()) for k in range(n)]
+
+
+def measure(schedule_name: str, n: int, m: int, f: float, b: float, repeats: int, width: int) -> dict:
+    group = m if schedule_name == "gpipe" else 1
+    schedule = build_schedule(schedule_name, n, m, group=group)
+    ideal = schedule.makespan({"F": f, "B": b})
+    x, y = torch.randn(8, width), torch.zeros(8)
+    ex = RayExecutor(_stages(n, f, b, group), "async", transport="object_store", cpus_per_stage=0.01)
+    times = []
+    try:
+        ex.run(build_schedule(schedule_name, n, min(m, 2 * n), group=min(m, 2 * n) if group > 1 else 1),
+               [(x, y)] * min(m, 2 * n))  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            ex.run(schedule, [(x, y)] * m)
+            times.append(time.perf_counter() - t0)
+    finally:
+        ex.close()
+    best, med = min(times), statistics.median(times)
+    return {"schedule": schedule_name, "stages": n, "microbatches": m, "ideal_s": round(ideal, 4),
+            "best_s": round(best, 4), "median_s": round(med, 4), "efficiency_best": round(ideal / best, 3),
+            "efficiency_median": round(ideal / med, 3),
+            "overhead_ms_per_action": round((med - ideal) / (2 * m) * 1e3, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=32)
+    ap.add_argument("--forward-ms", type=float, default=20.0)
+    ap.add_argument("--backward-ms", type=float, default=40.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--width", type=int, default=16384, help="activation floats per sample (8 samples)")
+    args = ap.parse_args()
+    m, repeats = (8, 2) if args.quick else (args.microbatches, args.repeats)
+    start_ray()
+    rows = [measure(s, args.stages, m, args.forward_ms / 1e3, args.backward_ms / 1e3, repeats, args.width)
+            for s in ("1f1b", "gpipe")]
+    cols = ["schedule", "stages", "microbatches", "ideal_s", "median_s", "efficiency_median", "efficiency_best",
+            "overhead_ms_per_action"]
+    print(table(rows, cols))
+    path = write("efficiency", {"forward_ms": args.forward_ms, "backward_ms": args.backward_ms,
+                                "activation_bytes": 8 * args.width * 4, "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
