@@ -47,6 +47,10 @@ class StageActor:
 
     def __init__(self, stage: Stage, threads: int = 1) -> None:
         torch.set_num_threads(max(1, threads))
+        # Zero-copy transport is safe here: a stage sends only fresh activations and gradients that
+        # it never writes again, and copies what it receives before writing (``load``).
+        warnings.filterwarnings("ignore", message="Zero-copy tensor serialization is enabled")
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         self.load(stage)
 
     def load(self, stage: Stage) -> None:

@@ -51,3 +51,11 @@ def model_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 # Importing a model module registers it.
 from rayspec.models import mlp  # noqa: E402,F401
+from rayspec.models import vgg  # noqa: E402,F401
+from rayspec.models import resnet  # noqa: E402,F401
+from rayspec.models import densenet  # noqa: E402,F401
+from rayspec.models import googlenet  # noqa: E402,F401
+from rayspec.models import inception_v4  # noqa: E402,F401
+from rayspec.models import snn  # noqa: E402,F401
+from rayspec.models import transformer  # noqa: E402,F401
+from rayspec.models import residual_lstm  # noqa: E402,F401

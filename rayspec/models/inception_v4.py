@@ -17,8 +17,6 @@ pool+dropout+linear (21 blocks at ``full``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -80,7 +78,9 @@ def stem(cin: int, d: int) -> list[nn.Module]:
         Branches(
             nn.Sequential(conv(160 // d, 64 // d, 1), conv(64 // d, 96 // d, 3)),
             nn.Sequential(
-                conv(160 // d, 64 // d, 1), conv(64 // d, 64 // d, (7, 1)), conv(64 // d, 64 // d, (1, 7)),
+                conv(160 // d, 64 // d, 1),
+                conv(64 // d, 64 // d, (7, 1)),
+                conv(64 // d, 64 // d, (1, 7)),
                 conv(64 // d, 96 // d, 3),
             ),
         ),
@@ -99,13 +99,13 @@ def inception_a(d: int) -> Branches:
     )
 
 
-def reduction_a(d: int, k: int = 192, l: int = 224, m: int = 256, n: int = 384) -> Branches:  # noqa: E741
-    """Reduction-A (Figure 7): 384 -> 1024 channels, half the grid."""
+def reduction_a(d: int) -> Branches:
+    """Reduction-A (Figure 7, Inception-v4's k, l, m, n = 192, 224, 256, 384): 384 -> 1024 channels."""
     c = 384 // d
     return Branches(
         _pool(2),
-        conv(c, n // d, 3, stride=2),
-        nn.Sequential(conv(c, k // d, 1), conv(k // d, l // d, 3), conv(l // d, m // d, 3, stride=2)),
+        conv(c, 384 // d, 3, stride=2),
+        nn.Sequential(conv(c, 192 // d, 1), conv(192 // d, 224 // d, 3), conv(224 // d, 256 // d, 3, stride=2)),
     )
 
 
@@ -116,8 +116,11 @@ def inception_b(d: int) -> Branches:
         conv(c, 384 // d, 1),
         nn.Sequential(conv(c, 192 // d, 1), conv(192 // d, 224 // d, (1, 7)), conv(224 // d, 256 // d, (7, 1))),
         nn.Sequential(
-            conv(c, 192 // d, 1), conv(192 // d, 192 // d, (1, 7)), conv(192 // d, 224 // d, (7, 1)),
-            conv(224 // d, 224 // d, (1, 7)), conv(224 // d, 256 // d, (7, 1)),
+            conv(c, 192 // d, 1),
+            conv(192 // d, 192 // d, (1, 7)),
+            conv(192 // d, 224 // d, (7, 1)),
+            conv(224 // d, 224 // d, (1, 7)),
+            conv(224 // d, 256 // d, (7, 1)),
         ),
         _avg_proj(c, 128 // d),
     )
@@ -130,7 +133,9 @@ def reduction_b(d: int) -> Branches:
         _pool(2),
         nn.Sequential(conv(c, 192 // d, 1), conv(192 // d, 192 // d, 3, stride=2)),
         nn.Sequential(
-            conv(c, 256 // d, 1), conv(256 // d, 256 // d, (1, 7)), conv(256 // d, 320 // d, (7, 1)),
+            conv(c, 256 // d, 1),
+            conv(256 // d, 256 // d, (1, 7)),
+            conv(256 // d, 320 // d, (7, 1)),
             conv(320 // d, 320 // d, 3, stride=2),
         ),
     )
@@ -143,7 +148,9 @@ def inception_c(d: int) -> Branches:
         conv(c, 256 // d, 1),
         nn.Sequential(conv(c, 384 // d, 1), Split(384 // d, 256 // d)),
         nn.Sequential(
-            conv(c, 384 // d, 1), conv(384 // d, 448 // d, (1, 3)), conv(448 // d, 512 // d, (3, 1)),
+            conv(c, 384 // d, 1),
+            conv(384 // d, 448 // d, (1, 3)),
+            conv(448 // d, 512 // d, (3, 1)),
             Split(512 // d, 256 // d),
         ),
         _avg_proj(c, 256 // d),
@@ -166,5 +173,6 @@ def inception_v4(size: str, info: DataInfo, dropout: float = 0.2) -> nn.Sequenti
     blocks += [inception_a(d) for _ in range(na)] + [reduction_a(d)]
     blocks += [inception_b(d) for _ in range(nb)] + [reduction_b(d)]
     blocks += [inception_c(d) for _ in range(nc)]
-    blocks.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Dropout(dropout), nn.Linear(1536 // d, info.num_classes)))
-    return nn.Sequential(*blocks)
+    classifier = nn.Linear(1536 // d, info.num_classes)
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Dropout(dropout), classifier)
+    return nn.Sequential(*blocks, head)

@@ -35,7 +35,8 @@ def _stage(inplanes: int, planes: int, blocks: int, stride: int) -> nn.Sequentia
     down = None
     if stride != 1 or inplanes != out:
         down = nn.Sequential(conv1x1(inplanes, out, stride), nn.BatchNorm2d(out))
-    return nn.Sequential(Bottleneck(inplanes, planes, stride, down), *(Bottleneck(out, planes) for _ in range(1, blocks)))
+    rest = (Bottleneck(out, planes) for _ in range(1, blocks))
+    return nn.Sequential(Bottleneck(inplanes, planes, stride, down), *rest)
 
 
 class CifarResNet(ResNet):

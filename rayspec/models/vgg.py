@@ -56,7 +56,8 @@ class CifarVGG(VGG):
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, 0, 0.01)
                 nn.init.zeros_(m.bias)
@@ -87,15 +88,14 @@ class _Head(nn.Module):
 
 def to_blocks(net: VGG) -> nn.Sequential:
     """Cut ``net`` after each conv's ReLU (a following max-pool stays with it) and each linear layer."""
-    blocks: list[nn.Module] = []
+    convs: list[nn.Sequential] = []
     for layer in net.features:
         if isinstance(layer, nn.Conv2d):
-            blocks.append(nn.Sequential(layer))
+            convs.append(nn.Sequential(layer))
         else:
-            blocks[-1].append(layer)
+            convs[-1].append(layer)
     c = net.classifier
-    blocks += [_Head(net.avgpool, c[0:3]), c[3:6], c[6]]
-    return nn.Sequential(*blocks)
+    return nn.Sequential(*convs, _Head(net.avgpool, c[0:3]), c[3:6], c[6])
 
 
 @register("vgg16")
