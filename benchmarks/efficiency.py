@@ -58,17 +58,20 @@ def main() -> None:
     ap.add_argument("--forward-ms", type=float, default=20.0)
     ap.add_argument("--backward-ms", type=float, default=40.0)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--width", type=int, default=16384, help="activation floats per sample (8 samples)")
+    ap.add_argument("--kib", default="16,512", help="activation sizes per micro-batch in KiB")
     args = ap.parse_args()
     m, repeats = (8, 2) if args.quick else (args.microbatches, args.repeats)
     start_ray()
-    rows = [measure(s, args.stages, m, args.forward_ms / 1e3, args.backward_ms / 1e3, repeats, args.width)
-            for s in ("1f1b", "gpipe")]
-    cols = ["schedule", "stages", "microbatches", "ideal_s", "median_s", "efficiency_median", "efficiency_best",
-            "overhead_ms_per_action"]
+    rows = []
+    for kib in (int(v) for v in args.kib.split(",")):
+        for s in ("1f1b", "gpipe"):
+            row = measure(s, args.stages, m, args.forward_ms / 1e3, args.backward_ms / 1e3, repeats, kib * 1024 // 32)
+            rows.append({"activation_kib": kib, **row})
+    cols = ["activation_kib", "schedule", "stages", "microbatches", "ideal_s", "median_s", "efficiency_median",
+            "efficiency_best", "overhead_ms_per_action"]
     print(table(rows, cols))
     path = write("efficiency", {"forward_ms": args.forward_ms, "backward_ms": args.backward_ms,
-                                "activation_bytes": 8 * args.width * 4, "rows": rows})
+                                "rows": rows})
     print(f"wrote {path}")
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from rayspec.optim import SCHEDULES as LR_SCHEDULES
 from rayspec.schedule import METHOD_SCHEDULE, VARIANTS
@@ -91,7 +92,7 @@ class Config:
     ray: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         """Check every value that needs no model or data; raise ``ConfigError`` naming the value and the fix."""
         p, o, t = self.pipeline, self.optim, self.train
         _choice("pipeline.method", p.method, METHODS)

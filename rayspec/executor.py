@@ -8,8 +8,8 @@ interleaving across stages that respects the data dependencies computes the same
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -84,10 +84,10 @@ class Executor(ABC):
     def stage_stats(self) -> list[dict]:
         """Per stage: actions, busy seconds per kind, version, peak stash and weight bytes."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release resources (actors, process groups)."""
 
-    def __enter__(self) -> "Executor":
+    def __enter__(self) -> Executor:
         return self
 
     def __exit__(self, *exc: object) -> None:

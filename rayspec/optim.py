@@ -14,8 +14,8 @@ otherwise follows ``torch.optim.SGD``'s arithmetic exactly (tested against it):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -66,10 +66,11 @@ class SGD:
                     buf.mul_(self.momentum).add_(d, alpha=1 - self.dampening)
                 d = d.add(buf, alpha=self.momentum) if self.nesterov else buf
             elif self.keep_velocity:
-                if self.buffers[i] is None:
+                last = self.buffers[i]
+                if last is None:
                     self.buffers[i] = d.detach().clone()
                 else:
-                    self.buffers[i].copy_(d)
+                    last.copy_(d)
             p.data.add_(d, alpha=-lr)
 
     def zero_grad(self) -> None:

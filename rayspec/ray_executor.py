@@ -13,11 +13,12 @@ import copy
 import logging
 import warnings
 from collections import deque
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import ray
 import torch
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayspec.config import TRANSPORTS
@@ -41,7 +42,7 @@ def resolve_transport(transport: str, use_gpu: bool) -> str:
     return transport
 
 
-@ray.remote(enable_tensor_transport=True)
+@ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
 class StageActor:
     """A thin Ray wrapper around one ``Stage``; logs carry a ``[stage k]`` prefix."""
 
@@ -149,7 +150,7 @@ class RayExecutor(Executor):
         self.pg = placement_group
         env = {"env_vars": dict(_ZERO_COPY)} if self.transport == "object_store" else None
         self.actors = [
-            StageActor.options(
+            StageActor.options(  # type: ignore[attr-defined]
                 num_cpus=cpus_per_stage,
                 num_gpus=gpus_per_stage,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(

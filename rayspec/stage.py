@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -178,6 +179,7 @@ class Stage:
                     _set_rng_state(job.rng, self.device)
                     outputs = self.module(job.inputs)
                 if self.is_last:
+                    assert job.labels is not None  # kept by forward() on the last stage
                     outputs = self.loss_fn(outputs, job.labels) / self.group
             if self.is_last:
                 outputs.backward()
@@ -208,17 +210,15 @@ class Stage:
             self._track_memory()
 
     # --------------------------------------------------------------- weights
-    def _weights_for(self, kind: str, m: int, s: int) -> "_WeightSwap":
+    def _weights_for(self, kind: str, m: int, s: int) -> _WeightSwap:
         if self.policy != "predict" or s == 0:
             return _WeightSwap(self, kind, m, s, None)
         lr = self.lr(self.version)
-        predicted = []
-        for i, p in enumerate(self.params):
-            v = self.optimizer.velocity(i)
-            predicted.append(None if v is None else (v, -s * lr))
+        # Before the first update there is no velocity yet: nothing to predict.
+        predicted = [None if v is None else (v, -s * lr) for v in self.optimizer.buffers]
         return _WeightSwap(self, kind, m, s, predicted)
 
-    def _stashed_weights(self, version: int, m: int) -> "_WeightSwap":
+    def _stashed_weights(self, version: int, m: int) -> _WeightSwap:
         if version == self.version:
             return _WeightSwap(self, "B", m, 0, None)
         # In steady state the current version is stashed too (the latest forward used it):
@@ -348,10 +348,10 @@ def _input_grad(inputs: Activation) -> Activation:
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, ...]:
-    state = (torch.get_rng_state(),)
+    state = [torch.get_rng_state()]
     if device.type == "cuda":
-        state += (torch.cuda.get_rng_state(device),)
-    return state
+        state.append(torch.cuda.get_rng_state(device))
+    return tuple(state)
 
 
 def _set_rng_state(state: tuple[torch.Tensor, ...] | None, device: torch.device) -> None:

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_weights, make_stages, microbatches, plain_sgd, run_local
+from conftest import assert_same_weights, plain_sgd, run_local
 from torch.func import functional_call
 
 from rayspec.optim import SGD, LRSchedule
@@ -21,7 +21,7 @@ def test_sgd_matches_torch(momentum, weight_decay, dampening, nesterov):
     ours = SGD(list(a.parameters()), momentum, weight_decay, dampening, nesterov)
     ref = torch.optim.SGD(b.parameters(), lr=0.1, momentum=momentum, weight_decay=weight_decay,
                           dampening=dampening, nesterov=nesterov)
-    for i in range(12):
+    for _ in range(12):
         x = torch.randn(4, 5)
         for net in (a, b):
             net.zero_grad()

@@ -6,7 +6,8 @@ recurrent state), and returns one; composing the blocks computes exactly the who
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from torch import nn
 
@@ -50,12 +51,14 @@ def model_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # Importing a model module registers it.
-from rayspec.models import mlp  # noqa: E402,F401
-from rayspec.models import vgg  # noqa: E402,F401
-from rayspec.models import resnet  # noqa: E402,F401
-from rayspec.models import densenet  # noqa: E402,F401
-from rayspec.models import googlenet  # noqa: E402,F401
-from rayspec.models import inception_v4  # noqa: E402,F401
-from rayspec.models import snn  # noqa: E402,F401
-from rayspec.models import transformer  # noqa: E402,F401
-from rayspec.models import residual_lstm  # noqa: E402,F401
+from rayspec.models import (  # noqa: E402
+    densenet,  # noqa: E402,F401
+    googlenet,  # noqa: E402,F401
+    inception_v4,  # noqa: E402,F401
+    mlp,  # noqa: E402,F401
+    residual_lstm,  # noqa: E402,F401
+    resnet,  # noqa: E402,F401
+    snn,  # noqa: E402,F401
+    transformer,  # noqa: E402,F401
+    vgg,  # noqa: E402,F401
+)
