@@ -12,7 +12,7 @@ from rayspec.schedule import METHOD_SCHEDULE, VARIANTS
 
 __all__ = ["TRANSPORTS", "ConfigError", "Config", "PipelineConfig", "OptimConfig", "TrainConfig", "from_mapping", "METHODS"]
 
-METHODS = tuple(METHOD_SCHEDULE)
+METHODS = ("dataparallel", *METHOD_SCHEDULE)  # dataparallel has no pipeline schedule: rayspec.dataparallel
 PARTITIONS = ("uniform", "parameters", "profile")
 TRANSPORTS = ("auto", "object_store", "gloo", "nccl")
 
@@ -23,8 +23,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class PipelineConfig:
-    method: Literal["vanilla", "gpipe", "async", "pipedream", "spectrain"] = "spectrain"
-    """Training method (DESIGN §2)."""
+    method: Literal["dataparallel", "vanilla", "gpipe", "async", "pipedream", "spectrain"] = "spectrain"
+    """Training method (DESIGN §2); ``dataparallel``: ``stages`` Ray Train DDP workers, each the whole model."""
     variant: Literal["paper", "consistent"] = "paper"
     """SpecTrain's prediction target: ``paper`` (v1) or ``consistent`` (v2)."""
     backward: Literal["mixed", "recompute"] = "mixed"
@@ -90,6 +90,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ray: dict[str, Any] = field(default_factory=dict)
+    logger: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
     seed: int = 0
 
     def validate(self) -> Config:
@@ -124,7 +125,18 @@ class Config:
                 f"train.batch_size={t.batch_size} is not divisible by pipeline.microbatches={p.microbatches}; "
                 "gpipe splits each batch into equal micro-batches"
             )
-        if p.balance is not None and len(p.balance) != p.stages:
+        if p.method == "dataparallel":
+            if t.batch_size % p.stages:
+                raise ConfigError(
+                    f"train.batch_size={t.batch_size} is not divisible by pipeline.stages={p.stages}; dataparallel "
+                    "splits each batch into equal shards, one per worker: pick a multiple of pipeline.stages"
+                )
+            if p.executor != "ray":
+                raise ConfigError(
+                    f"pipeline.executor={p.executor} does not apply to pipeline.method=dataparallel (it runs on Ray "
+                    "Train); use pipeline.executor=ray, or pipeline.method=vanilla for the single-process reference"
+                )
+        elif p.balance is not None and len(p.balance) != p.stages:
             raise ConfigError(
                 f"pipeline.balance={p.balance} has {len(p.balance)} entries but pipeline.stages={p.stages}; "
                 "give one block count per stage"
@@ -177,7 +189,7 @@ def _section(cls: type, name: str, values: Mapping[str, Any] | None) -> Any:
 def from_mapping(cfg: Mapping[str, Any]) -> Config:
     """Build and validate a ``Config`` from a plain mapping (e.g. ``OmegaConf.to_container(cfg)``)."""
     cfg = dict(cfg)
-    extra = sorted(set(cfg) - {f.name for f in dataclasses.fields(Config)} - {"hydra", "logger", "experiment"})
+    extra = sorted(set(cfg) - {f.name for f in dataclasses.fields(Config)} - {"hydra", "experiment"})
     if extra:
         raise ConfigError(f"unknown top-level key(s) {', '.join(extra)}")
     pipeline = dict(cfg.get("pipeline") or {})
@@ -190,6 +202,7 @@ def from_mapping(cfg: Mapping[str, Any]) -> Config:
         optim=_section(OptimConfig, "optim", cfg.get("optim")),
         train=_section(TrainConfig, "train", cfg.get("train")),
         ray=dict(cfg.get("ray") or {}),
+        logger=dict(cfg.get("logger") or {"name": "none"}),
         seed=cfg.get("seed", 0),
     )
     return config.validate()

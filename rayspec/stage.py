@@ -80,6 +80,9 @@ class Stage:
         device: where the stage computes.
         record: keep, per action, the weights it used and what was stored before and after
             (tests and debugging only: one weight copy per action).
+        seed: seeds the stage's own random stream (dropout): each stage draws from its own
+            stream in its own action order, so the numbers do not depend on how stages interleave
+            or on which process runs them.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class Stage:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         device: str | torch.device = "cpu",
         record: bool = False,
+        seed: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is unknown; choose one of {', '.join(POLICIES)}")
@@ -120,6 +124,10 @@ class Stage:
         self.scratch: list[torch.Tensor] | None = None  # one copy, allocated on first use
         self.stats = StageStats()
         self.record = record
+        self._rng_devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=self._rng_devices):
+            torch.manual_seed(seed * 7919 + index + 1)
+            self.rng = _rng_state(self.device)
         self.records: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ actions
@@ -133,8 +141,9 @@ class Stage:
         inputs = _prepare_input(x, self.device, requires_grad=not self.is_first)
         if self.policy == "stash":
             self._stash_current()
-        rng = _rng_state(self.device) if self.backward_mode == "recompute" else None
-        with self._weights_for("F", m, s):
+        rng = self.rng if self.backward_mode == "recompute" else None
+        with torch.random.fork_rng(devices=self._rng_devices), self._weights_for("F", m, s):
+            _set_rng_state(self.rng, self.device)
             if self.backward_mode == "recompute":
                 with torch.no_grad():
                     out = self.module(inputs)
@@ -152,6 +161,7 @@ class Stage:
                 result = loss.detach()
             else:
                 result = _detach(out)
+            self.rng = _rng_state(self.device)
         held_labels = labels if self.is_last and keep is None else None
         self.inflight[m] = _InFlight(inputs, keep, self.version, rng, held_labels)
         if self.record:
@@ -175,7 +185,7 @@ class Stage:
         with ctx:
             outputs = job.outputs
             if outputs is None:  # recompute at the weights in storage now
-                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                with torch.random.fork_rng(devices=self._rng_devices):
                     _set_rng_state(job.rng, self.device)
                     outputs = self.module(job.inputs)
                 if self.is_last:

@@ -8,7 +8,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,8 @@ from rayspec.data.loader import eval_batches, train_batches
 from rayspec.executor import Executor, LocalExecutor
 from rayspec.models import build_model, model_options
 from rayspec.optim import LRSchedule
-from rayspec.partition import check_balance, split, uniform
+from rayspec.partition import Plan, check_balance, plan, split, uniform
+from rayspec.profile import profile_blocks
 from rayspec.schedule import METHOD_SCHEDULE, build_schedule
 from rayspec.stage import METHOD_POLICY, Stage
 
@@ -39,6 +40,7 @@ class Prepared:
     data: DataBundle
     model: nn.Sequential
     balance: list[int]
+    plan: Plan | None = None
 
 
 def prepare(config: Config) -> Prepared:
@@ -49,32 +51,33 @@ def prepare(config: Config) -> Prepared:
     data = build_data(config.data["name"], root=config.data.get("root"), seed=config.seed, **data_opts)
     torch.manual_seed(config.seed)  # the model's initial weights depend on the seed only
     model = build_model(config.model["name"], data.info, config.model.get("size", "full"), **model_options(config.model))
-    p = config.pipeline
-    if p.balance is not None:
-        balance = check_balance(p.balance, len(model), p.stages)
-    elif p.partition == "uniform":
-        balance = uniform(len(model), p.stages)
-    else:
-        balance = _planned_balance(model, data, config)
     n_train = len(data.train)  # type: ignore[arg-type]
     if config.train.batch_size > n_train:
         raise ConfigError(
             f"train.batch_size={config.train.batch_size} exceeds the training set ({n_train} samples); lower it"
         )
-    return Prepared(config, data, model, balance)
+    if config.pipeline.method == "dataparallel":  # whole-model replicas: nothing to partition
+        return Prepared(config, data, model, [len(model)], None)
+    planned = _plan(model, data, config)
+    return Prepared(config, data, model, list(planned.balance), planned)
 
 
-def _planned_balance(model: nn.Sequential, data: DataBundle, config: Config) -> list[int]:
-    from rayspec import partition
+def _plan(model: nn.Sequential, data: DataBundle, config: Config) -> Plan:
+    """Choose the partition and profile each block once on a micro-batch, for the per-stage table.
 
+    ``profile`` times every block (a warm-up and the median of three runs); the other partitions
+    time one run, enough for the table's time and activation columns.
+    """
     p = config.pipeline
-    uniform(len(model), p.stages)  # the same clear error for too many stages
-    if not hasattr(partition, "plan"):
-        raise ConfigError(f"pipeline.partition={p.partition} is not available in this build; use uniform or balance")
-    sample = next(iter(eval_batches(data.train, min(config.train.batch_size, 32))))[0]
-    planned = partition.plan(model, p.stages, partition=p.partition, sample_input=sample)
-    log.info("partition (%s):\n%s", p.partition, planned.table())
-    return list(planned.balance)
+    uniform(len(model), p.stages)  # the same clear error for too many stages, whatever the partition
+    if p.balance is not None:
+        check_balance(p.balance, len(model), p.stages)
+    group = p.microbatches if p.method == "gpipe" else 1
+    size = max(1, min(config.train.batch_size // group, len(data.train)))  # type: ignore[arg-type]
+    sample = next(iter(eval_batches(data.train, size)))[0]
+    profiled = p.partition == "profile" and p.balance is None
+    profiles = profile_blocks(model, sample, warmup=1 if profiled else 0, repeats=3 if profiled else 1)
+    return plan(model, p.stages, partition=p.partition, balance=p.balance, profiles=profiles)
 
 
 def lr_schedule(config: Config) -> LRSchedule:
@@ -92,7 +95,7 @@ def build_stages(prepared: Prepared, device: str = "cpu", record: bool = False) 
         Stage(
             part, k, n, policy=METHOD_POLICY[c.pipeline.method], lr=lr_schedule(c), momentum=o.momentum,
             weight_decay=o.weight_decay, dampening=o.dampening, nesterov=o.nesterov, group=group,
-            backward=c.pipeline.backward, device=device, record=record,
+            backward=c.pipeline.backward, device=device, record=record, seed=c.seed,
         )
         for k, part in enumerate(split(model, prepared.balance))
     ]
@@ -106,7 +109,9 @@ def _microbatches(batches: Iterator[tuple[torch.Tensor, ...]], chunks: int) -> I
             yield from zip(x.chunk(chunks), y.chunk(chunks))
 
 
-def make_executor(prepared: Prepared, stages: list[Stage]) -> Executor:
+def make_executor(prepared: Prepared, stages: list[Stage], placement_group: Any = None, bundle_offset: int = 0) -> Executor:
+    """The configured executor; on Ray, starts Ray when needed, and places stage ``k`` in bundle
+    ``bundle_offset + k`` of ``placement_group`` if given."""
     p = prepared.config.pipeline
     if p.executor == "local":
         return LocalExecutor(stages, p.method, p.variant)
@@ -125,7 +130,8 @@ def make_executor(prepared: Prepared, stages: list[Stage]) -> Executor:
         cpus = max(0.01, math.floor(min(1.0, total / p.stages) * 100) / 100)
     return RayExecutor(
         stages, p.method, p.variant, transport=p.transport, cpus_per_stage=cpus, gpus_per_stage=gpus,
-        max_in_flight=p.max_in_flight, placement_strategy=p.placement.upper(),
+        max_in_flight=p.max_in_flight, placement_strategy=p.placement.upper(), placement_group=placement_group,
+        bundle_offset=bundle_offset,
     )
 
 
@@ -146,8 +152,8 @@ def evaluate(model: nn.Module, state: dict[str, torch.Tensor], dataset: Any, bat
 class _Progress:
     """Turns per-micro-batch losses into per-update records, console lines and ``metrics.jsonl``."""
 
-    def __init__(self, config: Config, metrics: Any, echo: Callable[[str], None]) -> None:
-        self.c, self.metrics, self.echo = config, metrics, echo
+    def __init__(self, config: Config, metrics: Any, echo: Callable[[str], None], callbacks: Sequence[Any] = ()) -> None:
+        self.c, self.metrics, self.echo, self.callbacks = config, metrics, echo, list(callbacks)
         self.group = config.pipeline.microbatches if config.pipeline.method == "gpipe" else 1
         self.lr = lr_schedule(config)
         self.t0 = time.perf_counter()
@@ -183,27 +189,81 @@ class _Progress:
     def write(self, rec: dict) -> None:
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
+        for cb in self.callbacks:
+            if hasattr(cb, "on_metrics"):
+                cb.on_metrics(rec)
 
 
-def train(config: Config, run_dir: str | os.PathLike, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train as configured and write ``metrics.jsonl``, ``summary.json`` and ``model.pt`` into ``run_dir``."""
+def train(
+    config: Config,
+    run_dir: str | os.PathLike,
+    echo: Callable[[str], None] = print,
+    callbacks: Sequence[Any] = (),
+    placement_group: Any = None,
+    bundle_offset: int = 0,
+) -> dict[str, Any]:
+    """Train as configured and write ``metrics.jsonl``, ``summary.json`` and ``model.pt`` into ``run_dir``.
+
+    Args:
+        config: a validated ``Config``.
+        run_dir: where the run's files go (created).
+        echo: prints one console line.
+        callbacks: objects with any of ``on_start(config)``, ``on_metrics(record)`` (every record written
+            to ``metrics.jsonl``: per-step ``loss`` records and per-evaluation ``val_*`` records) and
+            ``on_end(summary)``; ``on_end`` is also called, with ``None``, when training fails.
+        placement_group: a Ray placement group to create the stage actors in (a Tune trial's), stage ``k``
+            in bundle ``bundle_offset + k``; by default the Ray executor creates its own.
+        bundle_offset: the first stage bundle in ``placement_group``.
+
+    Returns:
+        The run summary (also written to ``summary.json``).
+    """
     prepared = prepare(config)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     c, p = config, config.pipeline
-    stages = build_stages(prepared, device="cuda" if torch.cuda.is_available() and p.executor == "ray" and
-                          (p.gpus_per_stage or 0) > 0 else "cpu")
+    stages = [] if p.method == "dataparallel" else build_stages(  # dataparallel: Ray Train replicas, no stages
+        prepared, device="cuda" if torch.cuda.is_available() and p.executor == "ray" and (p.gpus_per_stage or 0) > 0
+        else "cpu")
     n_blocks = ", ".join(str(b) for b in prepared.balance)
     echo(f"rayspec: {p.method} ({p.variant}) on {p.stages} stages [{n_blocks} blocks], model={c.model['name']}"
          f"/{c.model.get('size', 'full')}, data={c.data['name']}, executor={p.executor}")
+    if prepared.plan is not None:
+        echo(f"partition ({prepared.plan.partition}, times per micro-batch on this machine's CPU):")
+        for line in prepared.plan.table().splitlines():
+            echo("  " + line)
+    for cb in callbacks:
+        if hasattr(cb, "on_start"):
+            cb.on_start(config)
+    try:
+        summary = _run(prepared, stages, run_dir, echo, callbacks, placement_group, bundle_offset)
+    except BaseException:
+        for cb in callbacks:
+            if hasattr(cb, "on_end"):
+                cb.on_end(None)
+        raise
+    for cb in callbacks:
+        if hasattr(cb, "on_end"):
+            cb.on_end(summary)
+    return summary
+
+
+def _run(prepared: Prepared, stages: list[Stage], run_dir: Path, echo: Callable[[str], None],
+         callbacks: Sequence[Any], placement_group: Any, bundle_offset: int) -> dict[str, Any]:
+    c = prepared.config
+    p = c.pipeline
+    if p.method == "dataparallel":  # no schedule or stage actors: Ray Train workers (rayspec.dataparallel)
+        from rayspec.dataparallel import run_dataparallel
+
+        return run_dataparallel(prepared, run_dir, echo, callbacks, placement_group)
     group = p.microbatches if p.method == "gpipe" else 1
     schedule_name = METHOD_SCHEDULE[p.method]
     stream = _microbatches(train_batches(prepared.data.train, c.train.batch_size, c.seed), group)
     segment = c.train.eval_every or c.train.max_steps
     evals: dict[str, float] = {}
     t_start = time.perf_counter()
-    with open(run_dir / "metrics.jsonl", "w") as metrics, make_executor(prepared, stages) as executor:
-        progress = _Progress(c, metrics, echo)
+    with open(run_dir / "metrics.jsonl", "w") as metrics, make_executor(prepared, stages, placement_group, bundle_offset) as executor:
+        progress = _Progress(c, metrics, echo, callbacks)
         progress.t0 = time.perf_counter()
         done = 0
         while done < c.train.max_steps:

@@ -1,0 +1,281 @@
+"""Data sets read from small files in the real on-disk formats, and the synthetic text set."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from rayspec.data import DataError, DataInfo, build_data
+from rayspec.data import imdb as imdb_module
+from rayspec.data.cifar10 import MEAN, STD
+from rayspec.data.loader import epoch_batches
+from rayspec.data.text import tokenize
+
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+# --- CIFAR-10 -------------------------------------------------------------------------------------------
+
+
+class _Py2Pickler(pickle._Pickler):  # type: ignore[name-defined]
+    """Pickles ``bytes`` as Python 2 ``str`` (``BINSTRING``), as the real CIFAR-10 batches were written.
+
+    Read back with ``encoding="latin1"`` (as torchvision does) they are ``str``; with ``encoding="bytes"``
+    (as the CIFAR-10 page shows) ``bytes`` such as ``b"data"``.
+    """
+
+    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+
+    def save_py2_str(self, obj: bytes) -> None:
+        n = len(obj)
+        self.write((pickle.SHORT_BINSTRING + bytes([n]) if n < 256 else pickle.BINSTRING + struct.pack("<i", n)) + obj)
+        self.memoize(obj)
+
+    dispatch[bytes] = save_py2_str
+
+
+def _dump(path, obj) -> None:
+    buf = io.BytesIO()
+    _Py2Pickler(buf, protocol=2).dump(obj)
+    with open(path, "wb") as f:
+        f.write(buf.getvalue())
+
+
+def write_cifar(root, per_batch=4, n_test=6, seed=0):
+    """CIFAR-10 python batches under ``root/cifar-10-batches-py/``; returns the raw train and test arrays."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    raw = {}
+    for name, n in [(f"data_batch_{i}", per_batch) for i in range(1, 6)] + [("test_batch", n_test)]:
+        data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+        labels = [int(v) for v in rng.integers(0, 10, n)]
+        label = b"testing batch 1 of 1" if name == "test_batch" else f"training batch {name[-1]} of 5".encode()
+        _dump(
+            folder / name,
+            {
+                b"batch_label": label,
+                b"labels": labels,
+                b"data": data,
+                b"filenames": [f"img_{name}_{i:06d}.png".encode() for i in range(n)],
+            },
+        )
+        raw[name] = (data, labels)
+    _dump(
+        folder / "batches.meta",
+        {b"num_cases_per_batch": per_batch, b"label_names": [c.encode() for c in CLASSES], b"num_vis": 3072},
+    )
+    train = [raw[f"data_batch_{i}"] for i in range(1, 6)]
+    return (np.concatenate([d for d, _ in train]), sum((lab for _, lab in train), [])), raw["test_batch"]
+
+
+def normalized(rows: np.ndarray) -> torch.Tensor:
+    x = torch.from_numpy(rows).view(-1, 3, 32, 32).float() / 255
+    return (x - torch.tensor(MEAN).view(3, 1, 1)) / torch.tensor(STD).view(3, 1, 1)
+
+
+def test_pickles_look_like_the_real_batches(tmp_path):
+    write_cifar(tmp_path)
+    with open(tmp_path / "cifar-10-batches-py" / "data_batch_1", "rb") as f:
+        entry = pickle.load(f, encoding="bytes")
+    assert set(entry) == {b"batch_label", b"labels", b"data", b"filenames"}
+    assert entry[b"data"].dtype == np.uint8 and entry[b"data"].shape == (4, 3072)
+
+
+def test_cifar10_reads_batches(tmp_path):
+    (x_train, y_train), (x_test, y_test) = write_cifar(tmp_path)
+    data = build_data("cifar10", root=str(tmp_path), augment=False)
+    assert data.info == DataInfo("image", 10, (3, 32, 32))
+    assert len(data.train) == 20 and len(data.val) == 6
+    x, y = data.train[7]
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64 and int(y) == y_train[7]
+    torch.testing.assert_close(x, normalized(x_train[7:8])[0])
+    xv, yv = data.val.tensors
+    torch.testing.assert_close(xv, normalized(x_test))
+    assert yv.dtype == torch.int64 and yv.tolist() == y_test
+    xb, yb = next(epoch_batches(data.train, 8, seed=0, epoch=0))
+    assert xb.shape == (8, 3, 32, 32) and xb.dtype == torch.float32 and yb.shape == (8,) and yb.dtype == torch.int64
+
+
+def test_cifar10_augments_train_only_and_by_seed(tmp_path):
+    (x_train, _), (x_test, _) = write_cifar(tmp_path)
+    a = build_data("cifar10", root=str(tmp_path), seed=3)
+    b = build_data("cifar10", root=str(tmp_path), seed=3)
+    plain = normalized(x_train[:1])[0]
+    draws = [a.train[0][0] for _ in range(6)]
+    assert any(not torch.equal(d, plain) for d in draws)  # crops and flips change the image
+    assert any(not torch.equal(d, draws[0]) for d in draws[1:])  # and differ from draw to draw
+    assert all(torch.equal(d, b.train[0][0]) for d in draws)  # the same seed, the same augmentation
+    padded = torch.nn.functional.pad(torch.from_numpy(x_train[0]).view(3, 32, 32), (4, 4, 4, 4))
+    crops = [
+        normalized(c.reshape(1, -1).numpy())[0]
+        for i in range(9)
+        for j in range(9)
+        for c in (padded[:, i : i + 32, j : j + 32], padded[:, i : i + 32, j : j + 32].flip(-1))
+    ]
+    assert all(any(torch.equal(d, c) for c in crops) for d in draws)  # each draw: a padded crop, maybe flipped
+    torch.testing.assert_close(a.val.tensors[0], normalized(x_test))  # validation: normalization only
+
+
+def test_cifar10_missing_files(tmp_path):
+    with pytest.raises(DataError, match="cifar-10-batches-py/") as e:
+        build_data("cifar10", root=str(tmp_path))
+    assert f"{tmp_path}{os.sep}cifar-10-batches-py/" in str(e.value) and "data.download=true" in str(e.value)
+
+
+def test_cifar10_needs_root():
+    with pytest.raises(DataError, match="data.root"):
+        build_data("cifar10")
+
+
+def test_cifar10_malformed_file(tmp_path):
+    write_cifar(tmp_path)
+    with open(tmp_path / "cifar-10-batches-py" / "data_batch_3", "wb") as f:
+        pickle.dump({"pixels": np.zeros((2, 3072), np.uint8)}, f)
+    with pytest.raises(DataError, match="data_batch_3 lacks the keys data, labels"):
+        build_data("cifar10", root=str(tmp_path))
+
+
+# --- IMDB -----------------------------------------------------------------------------------------------
+
+TRAIN = {
+    "pos": ["A great movie.<br /><br />Great acting, GREAT fun!", "Movie, movie: good good."],
+    "neg": ["Bad movie. Don't watch it; bad.", "The 'worst' movie, movie of the year"],
+}
+TEST = {"pos": ["zebra zebra zebra zebra great"], "neg": ["zebra bad"]}
+
+
+def write_imdb(root, train=TRAIN, test=TEST):
+    for split, reviews in (("train", train), ("test", test)):
+        for label, texts in reviews.items():
+            folder = root / "aclImdb" / split / label
+            folder.mkdir(parents=True)
+            for i, text in enumerate(texts):
+                (folder / f"{i}_{8 if label == 'pos' else 2}.txt").write_text(text, encoding="utf-8")
+    (root / "aclImdb" / "train" / "unsup").mkdir()  # the real archive has these; they are ignored
+    (root / "aclImdb" / "imdb.vocab").write_text("the\n")
+
+
+def test_tokenize():
+    assert tokenize("A great movie.<br /><br />Great, 'GREAT' fun! Don't") == [
+        "a",
+        "great",
+        "movie",
+        "great",
+        "great",
+        "fun",
+        "don't",
+    ]
+
+
+def test_imdb_reads_files_with_train_vocabulary(tmp_path):
+    write_imdb(tmp_path)
+    data = build_data("imdb", root=str(tmp_path), vocab_size=5, max_len=6, cache=False)
+    assert data.info == DataInfo("text", 2, (6,), 5)
+    x, y = data.train.tensors
+    assert x.shape == (4, 6) and x.dtype == torch.int64 and y.dtype == torch.int64
+    assert y.tolist() == [0, 0, 1, 1]  # neg=0 then pos=1, by file id
+    # Train counts: movie 6, great 3, bad 2, good 2, ...; vocab_size=5 keeps movie, great and bad (before good).
+    movie, great, bad = 2, 3, 4
+    assert x[0].tolist() == [bad, movie, 1, 1, 1, bad]  # "bad movie don't watch it bad"
+    assert x[2].tolist() == [1, great, movie, great, 1, great]  # truncated to max_len=6
+    xv, yv = data.val.tensors
+    assert yv.tolist() == [0, 1]
+    assert xv[0].tolist() == [1, bad, 0, 0, 0, 0]  # "zebra" occurs only in test: unknown; padded with 0
+    assert xv[1].tolist() == [1, 1, 1, 1, great, 0]
+
+
+def test_imdb_cache_written_and_reused(tmp_path, monkeypatch):
+    write_imdb(tmp_path)
+    first = build_data("imdb", root=str(tmp_path), vocab_size=50, max_len=8)
+    cache_dir = tmp_path / "aclImdb" / ".rayspec_cache"
+    files = os.listdir(cache_dir)
+    assert len(files) == 1 and files[0].endswith(".pt")
+    assert torch.load(cache_dir / files[0], weights_only=True)["vocab"][:4] == ["<pad>", "<unk>", "movie", "great"]
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the reviews were read again instead of the cache")
+
+    monkeypatch.setattr(imdb_module, "_read_files", no_reading)
+    second = build_data("imdb", root=str(tmp_path), vocab_size=50, max_len=8)
+    for a, b in zip(first.train.tensors + first.val.tensors, second.train.tensors + second.val.tensors):
+        assert torch.equal(a, b)
+    with pytest.raises(AssertionError, match="read again"):  # other options: another cache entry
+        build_data("imdb", root=str(tmp_path), vocab_size=50, max_len=9)
+
+
+def test_imdb_missing_files(tmp_path):
+    with pytest.raises(DataError, match="aclImdb") as e:
+        build_data("imdb", root=str(tmp_path))
+    assert str(tmp_path / "aclImdb") in str(e.value)
+    (tmp_path / "aclImdb" / "train" / "pos").mkdir(parents=True)
+    with pytest.raises(DataError, match=r"no reviews \(\*\.txt\) in .*train.neg"):
+        build_data("imdb", root=str(tmp_path))
+
+
+def test_imdb_needs_root():
+    with pytest.raises(DataError, match="data.root"):
+        build_data("imdb")
+
+
+def test_imdb_hf_without_datasets(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    with pytest.raises(DataError, match="`datasets` package, which is not installed"):
+        build_data("imdb", source="hf", cache=False)
+
+
+# --- synthetic text -------------------------------------------------------------------------------------
+
+
+def test_synthetic_text_deterministic_and_padded():
+    a = build_data("synthetic_text", seed=1, train_size=256, val_size=64)
+    b = build_data("synthetic_text", seed=1, train_size=256, val_size=64)
+    c = build_data("synthetic_text", seed=2, train_size=256, val_size=64)
+    assert a.info == DataInfo("text", 2, (64,), 1000)
+    x, y = a.train.tensors
+    assert x.shape == (256, 64) and x.dtype == torch.int64 and y.dtype == torch.int64
+    assert torch.equal(x, b.train.tensors[0]) and torch.equal(a.val.tensors[0], b.val.tensors[0])
+    assert not torch.equal(x, c.train.tensors[0])
+    assert set(y.tolist()) == {0, 1} and 0 <= int(x.min()) and int(x.max()) < 1000
+    lengths = (x != 0).sum(1)
+    assert int(lengths.min()) >= 32 and lengths.unique().numel() > 10  # variable lengths ...
+    assert torch.equal(x != 0, torch.arange(64) < lengths[:, None])  # ... padded with 0 at the end
+
+
+def _fit(features_train, y, features_val, yv, num_classes, steps=100):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(features_train.shape[1], num_classes)
+    opt = torch.optim.Adam(lin.parameters(), lr=0.05)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(lin(features_train), y).backward()
+        opt.step()
+    return (lin(features_val).argmax(1) == yv).float().mean().item()
+
+
+def test_synthetic_text_learnable_and_needs_order():
+    data = build_data("synthetic_text", seed=0)
+    (x, y), (xv, yv) = data.train.tensors, data.val.tensors
+    v = data.info.vocab_size
+
+    def bow(t):
+        counts = torch.zeros(len(t), v).scatter_add_(1, t, torch.ones(t.shape))
+        counts[:, 0] = 0
+        return counts
+
+    def with_bigrams(t, buckets=2048):
+        h = (t[:, :-1] * v + t[:, 1:]) % buckets
+        pairs = torch.zeros(len(t), buckets).scatter_add_(1, h, (t[:, 1:] != 0).float())
+        return torch.cat([bow(t), pairs], 1)
+
+    acc_bow = _fit(bow(x), y, bow(xv), yv, 2)
+    acc_order = _fit(with_bigrams(x), y, with_bigrams(xv), yv, 2)
+    assert acc_bow > 0.65, acc_bow  # cue words: well above chance (0.5) ...
+    assert acc_order > acc_bow + 0.1, (acc_bow, acc_order)  # ... and word order tells more
