@@ -80,6 +80,10 @@ class TrainConfig:
     eval_every: int = 0
     """Updates between evaluations on the validation split (0: only at the end); the pipeline drains there."""
     eval_batch_size: int = 512
+    train_samples: int | None = None
+    """Use only the first this many training samples (a smoke run); None: all."""
+    val_samples: int | None = None
+    """Evaluate on only the first this many validation samples; None: all."""
 
 
 @dataclass
@@ -111,6 +115,10 @@ class Config:
         _int("train.log_every", t.log_every, 1, "log at least every update count >= 1")
         _int("train.eval_every", t.eval_every, 0, "use 0 to evaluate only at the end")
         _int("optim.warmup", o.warmup, 0, "use 0 for no warm-up")
+        _int("train.eval_batch_size", t.eval_batch_size, 1, "use a positive batch size")
+        for name in ("train_samples", "val_samples"):
+            if getattr(t, name) is not None:
+                _int(f"train.{name}", getattr(t, name), 1, "use null for the whole split")
         _int("seed", self.seed, 0, "use a non-negative integer seed")
         if not _number(o.lr) or o.lr <= 0:
             raise ConfigError(f"optim.lr={o.lr!r} must be a positive number, e.g. optim.lr=0.05")
@@ -186,9 +194,26 @@ def _section(cls: type, name: str, values: Mapping[str, Any] | None) -> Any:
     return cls(**values)
 
 
+def merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top``'s values on top, nested mappings merged key by key."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
 def from_mapping(cfg: Mapping[str, Any]) -> Config:
-    """Build and validate a ``Config`` from a plain mapping (e.g. ``OmegaConf.to_container(cfg)``)."""
+    """Build and validate a ``Config`` from a plain mapping (e.g. ``OmegaConf.to_container(cfg)``).
+
+    A ``debug`` section (the ``debug=...`` config group) is merged over everything else last, so a
+    smoke-run setting shrinks any experiment whatever order the groups were chosen in.
+    """
     cfg = dict(cfg)
+    debug = cfg.pop("debug", None)
+    if debug:
+        if not isinstance(debug, Mapping):
+            raise ConfigError(f"debug={debug!r} must be a config section; choose one from conf/debug/, e.g. debug=smoke")
+        cfg = merge(cfg, debug)
     extra = sorted(set(cfg) - {f.name for f in dataclasses.fields(Config)} - {"hydra", "experiment"})
     if extra:
         raise ConfigError(f"unknown top-level key(s) {', '.join(extra)}")

@@ -22,11 +22,13 @@ USER_ERRORS = (ConfigError, DataError, ModelError, PartitionError, ScheduleError
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from rayspec.loggers import build_callbacks
     from rayspec.trainer import train
 
     try:
         config = from_mapping(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
-        train(config, HydraConfig.get().runtime.output_dir, echo=log.info)
+        run_dir = HydraConfig.get().runtime.output_dir
+        train(config, run_dir, echo=log.info, callbacks=build_callbacks(config, run_dir, echo=log.info))
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import Subset, TensorDataset
 
 from rayspec.config import Config, ConfigError
 from rayspec.data import DataBundle, build_data
@@ -49,6 +50,8 @@ def prepare(config: Config) -> Prepared:
     torch.manual_seed(config.seed)
     data_opts = {k: v for k, v in config.data.items() if k not in ("name", "root")}
     data = build_data(config.data["name"], root=config.data.get("root"), seed=config.seed, **data_opts)
+    data = DataBundle(_first(data.train, config.train.train_samples), _first(data.val, config.train.val_samples),
+                      data.info)
     torch.manual_seed(config.seed)  # the model's initial weights depend on the seed only
     model = build_model(config.model["name"], data.info, config.model.get("size", "full"), **model_options(config.model))
     n_train = len(data.train)  # type: ignore[arg-type]
@@ -62,11 +65,20 @@ def prepare(config: Config) -> Prepared:
     return Prepared(config, data, model, list(planned.balance), planned)
 
 
+def _first(dataset: Any, count: int | None) -> Any:
+    """The first ``count`` samples of ``dataset`` (all of it for None)."""
+    if dataset is None or count is None or count >= len(dataset):
+        return dataset
+    if isinstance(dataset, TensorDataset):
+        return TensorDataset(*(t[:count] for t in dataset.tensors))
+    return Subset(dataset, range(count))
+
+
 def _plan(model: nn.Sequential, data: DataBundle, config: Config) -> Plan:
     """Choose the partition and profile each block once on a micro-batch, for the per-stage table.
 
     ``profile`` times every block (a warm-up and the median of three runs); the other partitions
-    time one run, enough for the table's time and activation columns.
+    time one run after a warm-up, enough for the table's time and activation columns.
     """
     p = config.pipeline
     uniform(len(model), p.stages)  # the same clear error for too many stages, whatever the partition
@@ -76,7 +88,7 @@ def _plan(model: nn.Sequential, data: DataBundle, config: Config) -> Plan:
     size = max(1, min(config.train.batch_size // group, len(data.train)))  # type: ignore[arg-type]
     sample = next(iter(eval_batches(data.train, size)))[0]
     profiled = p.partition == "profile" and p.balance is None
-    profiles = profile_blocks(model, sample, warmup=1 if profiled else 0, repeats=3 if profiled else 1)
+    profiles = profile_blocks(model, sample, warmup=1, repeats=3 if profiled else 1)
     return plan(model, p.stages, partition=p.partition, balance=p.balance, profiles=profiles)
 
 
@@ -149,6 +161,13 @@ def evaluate(model: nn.Module, state: dict[str, torch.Tensor], dataset: Any, bat
     return {"val_loss": loss / total, "val_accuracy": correct / total}
 
 
+def _duration(seconds: float) -> str:
+    """``3725`` -> ``1:02:05``; ``65`` -> ``1:05``."""
+    m, sec = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
 class _Progress:
     """Turns per-micro-batch losses into per-update records, console lines and ``metrics.jsonl``."""
 
@@ -182,8 +201,10 @@ class _Progress:
         rec = {"step": self.updates, "loss": self.last_loss, "lr": self.lr(self.updates - 1), "samples_per_s": rate,
                "elapsed_s": elapsed}
         self.write(rec)
-        self.echo(f"step {self.updates:>6}/{self.c.train.max_steps}  loss {self.last_loss:.4f}  "
-                  f"{rate:8.1f} samples/s  eta {eta:6.1f}s")
+        total = self.c.train.max_steps
+        filled = int(20 * self.updates / total)
+        self.echo(f"step {self.updates:>6}/{total} [{'#' * filled}{'.' * (20 - filled)}] {self.updates / total:4.0%}  "
+                  f"loss {self.last_loss:.4f}  {rate:8.1f} samples/s  eta {_duration(eta)}")
         self.window = []
 
     def write(self, rec: dict) -> None:
