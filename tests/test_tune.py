@@ -1,0 +1,187 @@
+"""Ray Tune sweeps: every sweep file composes, a real 2-trial sweep runs and resumes, bad sweeps fail early."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayspec.config import from_mapping
+from rayspec.tune import (
+    RESULTS,
+    SweepError,
+    _Resources,
+    _Setup,
+    _tuner,
+    available,
+    compose,
+    load_sweep,
+    override_value,
+    param_space,
+    parse_args,
+    run_sweep,
+    trial_overrides,
+)
+
+TINY = [
+    "model=mlp", "model.size=tiny", "pipeline.executor=ray", "pipeline.stages=2", "pipeline.cpus_per_stage=0.4",
+    "train.max_steps=20", "train.batch_size=32", "train.eval_every=10", "train.log_every=10",
+    "data.train_size=512", "data.val_size=128",
+]
+
+
+def write_sweep(path: Path, **settings) -> Path:
+    path.write_text(yaml.safe_dump({"overrides": TINY, "search_space": {"optim.lr": {"grid": [0.01, 0.05]}},
+                                    **settings}))
+    return path
+
+
+def one_sample(domain):
+    """One value of a Tune domain or grid, as a trial would get it."""
+    return domain["grid_search"][0] if isinstance(domain, dict) else domain.sample()
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_sweep_file_loads_and_composes(name):
+    sweep = load_sweep(name)
+    sampled = {k: one_sample(d) for k, d in param_space(sweep).items()}
+    assert set(sampled) == set(sweep.search_space)
+    config = from_mapping(compose(trial_overrides(sweep.overrides, sampled)))
+    assert config.train.max_steps >= 1
+
+
+def test_the_shipped_sweeps_exist():
+    assert {"lr_method", "partition"} <= set(available())
+
+
+def test_trial_overrides_are_hydra_strings():
+    base = ["model.size=tiny", "optim.lr=0.1"]
+    sampled = {"optim.lr": 0.02, "model": "vgg16", "pipeline.balance": override_value([2, 2, 2, 1]),
+               "optim.nesterov": True}
+    assert trial_overrides(base, sampled) == ["model.size=tiny", "optim.lr=0.02", "model=vgg16",
+                                              "pipeline.balance=[2,2,2,1]", "optim.nesterov=true"]
+    assert override_value(None) == "null" and override_value("a b") == "'a b'" and override_value(1e-5) == "1e-05"
+    config = from_mapping(compose(trial_overrides(base, sampled)))
+    assert (config.model["name"], config.model["size"], config.pipeline.balance) == ("vgg16", "tiny", [2, 2, 2, 1])
+
+
+def test_trial_resources_give_the_driver_and_every_stage_a_bundle(tmp_path):
+    setup = _Setup("s", TINY, None, str(tmp_path), str(tmp_path))
+    pgf = _Resources(setup)({"pipeline.stages": 3, "pipeline.balance": "[3,2,2]"})
+    assert pgf.bundles == [{"CPU": 0.1}, {"CPU": 0.4}, {"CPU": 0.4}, {"CPU": 0.4}]
+    assert sum(b["CPU"] for b in _Resources(setup)({}).bundles) <= 1  # two TINY trials fit 2 CPUs at once
+    assert _Resources(setup)({"pipeline.executor": "local"}).bundles == [{"CPU": 1.0}]
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(ray_session, tmp_path_factory):
+    """A real 2-trial sweep of 2-stage Ray pipelines (0.9 CPU each, so both run at once on 2 CPUs)."""
+    root = tmp_path_factory.mktemp("sweep")
+    path = write_sweep(root / "tiny.yaml", max_concurrent_trials=2)
+    lines: list[str] = []
+    sweep = load_sweep(str(path), storage_path=str(root / "out"))
+    rows = run_sweep(sweep, echo=lines.append)
+    return path, sweep, rows, lines
+
+
+def test_two_trial_sweep_writes_results(tiny_sweep):
+    _, sweep, rows, lines = tiny_sweep
+    with open(sweep.directory / RESULTS) as f:
+        saved = list(csv.DictReader(f))
+    assert len(saved) == 2 and {r["status"] for r in saved} == {"TERMINATED"}
+    assert {float(r["optim.lr"]) for r in saved} == {0.01, 0.05}
+    for r in saved:
+        assert 0 <= float(r["val_accuracy"]) <= 1 and math.isfinite(float(r["val_loss"]))
+        assert math.isfinite(float(r["loss"])) and float(r["samples_per_s"]) > 0 and r["step"] == "20"
+        assert r["evaluations"] == "2"  # train.eval_every=10 of 20 updates: one report per evaluation
+        for name in ("metrics.jsonl", "summary.json", "model.pt", ".hydra/config.yaml"):
+            assert (Path(r["path"]) / name).exists(), name
+        assert "cpus_per_stage: 0.4" in (Path(r["path"]) / ".hydra/config.yaml").read_text()
+    text = "\n".join(lines)
+    assert "starting sweep tiny" in text and "TERMINATED" in text
+    command = next(line.strip() for line in lines if line.strip().startswith("python -m rayspec.train"))
+    best = from_mapping(compose(shlex.split(command)[3:]))  # the printed best config is a valid command line
+    assert best.optim.lr in (0.01, 0.05) and best.pipeline.stages == 2
+
+
+def test_sweep_resumes_without_new_trials(tiny_sweep):
+    path, sweep, rows, _ = tiny_sweep
+    trial_dirs = sorted(p.name for p in sweep.directory.iterdir() if p.is_dir())
+    lines: list[str] = []
+    again = run_sweep(load_sweep(str(path), storage_path=sweep.storage_path), echo=lines.append)
+    assert any("resuming sweep tiny" in line for line in lines)
+    assert [(r["trial_id"], r["val_accuracy"]) for r in again] == [(r["trial_id"], r["val_accuracy"]) for r in rows]
+    assert sorted(p.name for p in sweep.directory.iterdir() if p.is_dir()) == trial_dirs
+    changed = load_sweep(str(path), ["train.max_steps=30"], storage_path=sweep.storage_path)
+    with pytest.raises(SweepError, match="with other settings .*resume=false"):
+        run_sweep(changed, echo=lines.append)
+    _tuner(changed, False, lines.append)  # resume=false: the earlier sweep is moved aside, nothing is lost
+    aside = [p for p in sweep.directory.parent.iterdir() if p.name.startswith("tiny-")]
+    assert len(aside) == 1 and (aside[0] / RESULTS).exists() and "moved the earlier sweep" in lines[-2]
+    assert not (sweep.directory / RESULTS).exists()
+
+
+BAD = [
+    ({"num_sample": 2}, "unknown key 'num_sample'; did you mean num_samples?"),
+    ({"search_space": {"optim.lr": {"normal": [0, 1]}}}, "unknown domain 'normal'; use one of grid, choice"),
+    ({"search_space": {"optim.lr": [0.1, 0.2]}}, "must be one domain like {choice: [a, b]}"),
+    ({"search_space": {"pipeline.stagse": {"grid": [2]}}}, "search_space pipeline.stagse=2: Could not override"),
+    ({"search_space": {"model": {"choice": ["mlp", "alexnet"]}}}, "model=alexnet: In 'config': Could not find"),
+    ({"search_space": {"optim.lr": {"grid": [0.1, -1]}}}, "optim.lr=-1 must be a positive number"),
+    ({"search_space": {"optim.lr": {"loguniform": [0, 1]}}}, "loguniform [0, 1] needs 0 < low < high"),
+    ({"search_space": {"optim.momentum": {"uniform": [0.5, 1.5]}}}, "optim.momentum=1.0 must be in [0, 1)"),
+    ({"search_space": {"optim.lr": {"uniform": [0.1]}}}, "uniform needs [low, high] numbers"),
+    ({"overrides": ["train.max_steps=0"]}, "overrides: train.max_steps=0 must be >= 1"),
+    ({"metric": "accuracy"}, "metric='accuracy' is not reported; use one of val_accuracy"),
+    ({"scheduler": "hyperband"}, "scheduler 'hyperband' is unknown; use fifo or {name: asha"),
+    ({"scheduler": {"name": "asha", "max_t": 2, "grace_period": 3}}, "grace_period <= max_t"),
+    ({"scheduler": {"name": "asha"}, "overrides": TINY[:-4]}, "train.eval_every=0 evaluates only at the end"),
+    ({"search_alg": "bayes"}, "search_alg='bayes' is unknown; use one of random, grid, optuna"),
+    ({"search_alg": "grid", "search_space": {"optim.lr": {"uniform": [0.01, 0.1]}}}, "search_alg=grid needs grid"),
+    ({"search_alg": "optuna"}, "search_alg=optuna samples and takes no grid domains (optim.lr); use choice"),
+    ({"num_samples": 0}, "num_samples=0 must be an integer >= 1"),
+]
+if importlib.util.find_spec("optuna") is None:
+    BAD.append(({"search_alg": "optuna", "search_space": {"optim.lr": {"choice": [0.1]}}},
+                "search_alg=optuna needs the optuna package; pip install optuna"))
+
+
+@pytest.mark.parametrize("settings,message", BAD, ids=[str(b[0])[:60] for b in BAD])
+def test_bad_sweep_is_a_clear_error(tmp_path, settings, message):
+    with pytest.raises(SweepError) as info:
+        load_sweep(str(write_sweep(tmp_path / "bad.yaml", **settings)))
+    assert message in str(info.value)
+
+
+def test_missing_sweep_lists_the_available_ones():
+    with pytest.raises(SweepError, match="sweep=nope not found; available sweeps in .*lr_method, partition"):
+        load_sweep("nope")
+
+
+def test_command_line_arguments():
+    assert parse_args(["sweep=lr_method", "resume=false", "storage_path=/x", "train.max_steps=5"]) == (
+        "lr_method", {"resume": False, "storage_path": "/x"}, ["train.max_steps=5"])
+    with pytest.raises(SweepError, match="give sweep=NAME; available sweeps: lr_method"):
+        parse_args(["train.max_steps=5"])
+    with pytest.raises(SweepError, match="resume='maybe' must be true or false"):
+        parse_args(["sweep=lr_method", "resume=maybe"])
+
+
+@pytest.mark.parametrize("bad", ["nope", "domain"])
+def test_cli_reports_bad_sweeps_before_ray_starts(tmp_path, bad):
+    ref = "nope" if bad == "nope" else str(write_sweep(tmp_path / "bad.yaml",
+                                                        search_space={"optim.lr": {"normal": [0, 1]}}))
+    res = subprocess.run([sys.executable, "-m", "rayspec.tune", f"sweep={ref}", f"storage_path={tmp_path}"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    expected = "error: sweep=nope not found; available sweeps" if bad == "nope" else "unknown domain 'normal'"
+    assert expected in res.stderr
+    assert "Started a local Ray instance" not in res.stderr + res.stdout
+    assert not any(tmp_path.glob("*/experiment_state*"))
