@@ -1,0 +1,334 @@
+"""``pipeline.method=dataparallel``: N whole-model replicas on Ray Train (DDP), the baseline the pipelines compete with.
+
+Everything a user compares is shared with the pipeline methods: the model (``Prepared.model``, all
+blocks as one ``nn.Sequential``), the batches (``train_batches(data.train, batch_size, seed)``; worker
+``r`` of ``N`` takes the ``r``-th contiguous chunk of every global batch, as gpipe cuts micro-batches),
+the optimizer (each worker runs its replica as a one-stage ``Stage`` with policy ``none``, so the update
+is ``Stage.step``: rayspec's SGD with the same ``LRSchedule``, momentum, weight decay, dampening and
+Nesterov), and the run directory (``metrics.jsonl``, ``summary.json``, ``model.pt``). DDP averages the
+replicas' gradients, and the mean of ``N`` equal chunks' mean losses is the global batch's mean loss,
+so N workers follow SGD on the global batch up to floating-point rounding. ``pipeline.stages`` is
+``N``; ``pipeline.cpus_per_stage`` / ``gpus_per_stage`` are per worker (the pipeline's defaults);
+``pipeline.placement`` is Ray Train's placement strategy. The pipeline-only settings (``variant``,
+``backward``, ``microbatches``, ``transport``, ``partition``, ``balance``, ``max_in_flight``) are not used.
+
+[Note: metrics channel] Ray Train's own ``ray.train.report`` delivers metrics to its controller actor,
+not to the driver that writes ``metrics.jsonl`` and calls the callbacks (W&B logs from the driver).
+So the driver creates a ``ray.util.queue.Queue`` (an actor holding no CPU), passes its handle in
+``train_loop_config``, runs ``TorchTrainer.fit()`` in a thread and drains the queue on its own thread
+while training runs. At every logging or evaluation point and at the end, the workers all-reduce the
+window's per-update losses (one small collective for the whole window) and rank 0 puts them on the
+queue; at evaluation points rank 0 also puts its ``state_dict``, which the driver evaluates with
+``trainer.evaluate``, as the pipeline does, while the workers keep training; at the end every rank puts
+its stats and rank 0 its final ``state_dict``. Items are plain values (weights as ``torch.save``
+bytes) held by the queue actor, so they outlive the worker processes that Ray Train tears down after
+``fit()``. Failures: a worker that raises puts its error on the queue first; ``fit()`` then raises
+(``FailureConfig(max_failures=0)``: no retries) and the driver raises ``DataParallelError`` naming the
+worker and its error (``FloatingPointError`` stays one, as in the pipeline). If the driver itself fails
+or is interrupted, it shuts the queue down, so rank 0's next ``put`` fails and Ray Train ends the run
+instead of training on.
+
+[Note: Tune] A Ray Train run starts its own controller and worker group with their own placement
+group; inside a Ray Tune trial whose placement group already holds the trial's resources it would wait
+for resources forever. ``run_dataparallel`` therefore refuses a ``placement_group`` with a clear
+``ConfigError``: dataparallel inside a Tune trial is not supported yet.
+
+Ray Train's storage (``RunConfig(storage_path=...)``) is ``<run_dir>/ray_train``, run name ``dataparallel``;
+nothing rayspec needs is kept there (no Ray Train checkpoints are written).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from rayspec.config import Config, ConfigError
+from rayspec.data.loader import train_batches
+from rayspec.stage import Stage
+
+if TYPE_CHECKING:
+    from rayspec.trainer import Prepared
+
+__all__ = ["DataParallelError", "run_dataparallel"]
+
+_POLL_S = 0.5  # how often the driver looks for queue items and checks that fit() still runs
+_RUN_NAME = "dataparallel"
+
+
+class DataParallelError(RuntimeError):
+    """A Ray Train worker of a ``pipeline.method=dataparallel`` run failed; the message names it and its error."""
+
+
+def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbacks: Sequence[Any] = (),
+                     placement_group: Any = None) -> dict[str, Any]:
+    """Train ``prepared`` with ``pipeline.stages`` data-parallel Ray Train workers and write the run directory.
+
+    Args:
+        prepared: ``rayspec.trainer.Prepared`` (validated config, data, model).
+        run_dir: the run directory (exists); ``metrics.jsonl``, ``summary.json`` and ``model.pt`` go there.
+        echo: prints one console line.
+        callbacks: get ``on_metrics(record)`` for every record written to ``metrics.jsonl``.
+        placement_group: must be ``None`` (see the module's note on Tune).
+
+    Returns:
+        The run summary (also written to ``summary.json``), with the pipeline summary's keys.
+
+    Raises:
+        ConfigError: inside a Tune placement group, or when the workers do not fit the Ray cluster.
+        DataParallelError: a worker failed (``FloatingPointError`` when the loss became non-finite).
+    """
+    from rayspec.trainer import _Progress, evaluate
+
+    c, p = prepared.config, prepared.config.pipeline
+    if placement_group is not None:
+        raise ConfigError(
+            "pipeline.method=dataparallel cannot run inside a Ray Tune trial's placement group yet (Ray Train "
+            "starts its own worker group and needs resources outside the trial's bundles); run it with "
+            "python -m rayspec.train, or tune one of the pipeline methods"
+        )
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.util.queue import Queue
+
+    _ensure_ray(c)
+    n = p.stages
+    cpus, gpus = _worker_resources(c, ray.cluster_resources())
+    backend = "nccl" if gpus > 0 else "gloo"
+    echo(f"dataparallel: {n} Ray Train workers (DDP over {backend}), {c.train.batch_size // n} samples each per "
+         f"update, {cpus:g} CPU{f' and {gpus:g} GPU' if gpus else ''} per worker")
+    queue = Queue(actor_options={"num_cpus": 0})
+    refs = {"data": ray.put(prepared.data.train), "model": ray.put(prepared.model)}
+    resources = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    trainer = TorchTrainer(
+        _worker_loop,
+        train_loop_config={"config": c, "queue": queue, "threads": max(1, int(cpus)),
+                           "has_val": prepared.data.val is not None, **refs},
+        scaling_config=ScalingConfig(num_workers=n, use_gpu=gpus > 0, resources_per_worker=resources,
+                                     placement_strategy=p.placement.upper()),
+        run_config=RunConfig(name=_RUN_NAME, storage_path=str((run_dir / "ray_train").resolve()),
+                             failure_config=FailureConfig(max_failures=0)),
+    )
+    outcome: dict[str, BaseException] = {}
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as err:  # handed to the driver's thread
+            outcome["error"] = err
+
+    t_start = time.perf_counter()
+    thread = threading.Thread(target=fit, name="rayspec-dataparallel-fit", daemon=True)
+    evals: dict[str, float] = {}
+    errors: list[tuple[int, str, str]] = []
+    stats: dict[int, dict] = {}
+    final: dict[str, torch.Tensor] | None = None
+    t_ready: float | None = None
+    t_end: float | None = None
+    with open(run_dir / "metrics.jsonl", "w") as metrics:
+        progress = _Progress(c, metrics, echo, callbacks)
+        thread.start()
+        try:
+            for msg in _messages(queue, thread):
+                kind = msg[0]
+                if kind == "ready":
+                    t_ready = progress.t0 = time.perf_counter()
+                elif kind == "losses":
+                    for value in msg[1]:
+                        progress.loss(0, value)
+                elif kind in ("eval", "final"):
+                    step, state = msg[1], _load_state(msg[2])
+                    if kind == "final":
+                        final, t_end = state, time.perf_counter()
+                    if prepared.data.val is not None:
+                        evals = evaluate(prepared.model, state, prepared.data.val, c.train.eval_batch_size)
+                        progress.write({"step": step, **evals})
+                        echo(f"eval  {step:>6}  val_loss {evals['val_loss']:.4f}  "
+                             f"val_accuracy {evals['val_accuracy']:.4f}")
+                elif kind == "stats":
+                    stats[msg[1]] = msg[2]
+                elif kind == "error":
+                    errors.append(msg[1:])
+        except BaseException:
+            queue.shutdown(force=True)  # rank 0's next put fails, which ends the Ray Train run
+            thread.join(timeout=60)
+            raise
+        thread.join()
+        queue.shutdown(force=True)
+        if "error" in outcome:
+            raise _worker_error(errors, outcome["error"])
+        if final is None:
+            raise DataParallelError("the Ray Train run ended without rank 0's final weights; see the worker logs")
+        progress.flush()
+    train_s = (t_end or time.perf_counter()) - (t_ready or t_start)
+    done = c.train.max_steps
+    torch.save(final, run_dir / "model.pt")
+    stage_stats = [stats[r] for r in sorted(stats)]
+    for st in stage_stats:
+        busy = st["busy_s"]["F"] + st["busy_s"]["B"]
+        per = busy / max(1, st["actions"]["F"] + st["actions"]["B"]) * 1e3
+        st["busy_fraction"] = busy / max(train_s, 1e-9)
+        echo(f"worker {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}")
+    summary = {
+        "method": p.method, "variant": p.variant, "stages": n, "model": c.model["name"],
+        "model_size": c.model.get("size", "full"), "dataset": c.data["name"], "executor": p.executor,
+        "transport": backend, "balance": prepared.balance, "updates": done,
+        "final_train_loss": progress.last_loss, "val_loss": evals.get("val_loss"),
+        "val_accuracy": evals.get("val_accuracy"),
+        "samples_per_s": done * c.train.batch_size / max(train_s, 1e-9), "wall_s": time.perf_counter() - t_start,
+        "seed": c.seed, "stage_stats": stage_stats, "config": asdict(c),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    echo(f"done: {done} updates, final loss {progress.last_loss:.4f}, val_accuracy {summary['val_accuracy']}, "
+         f"{summary['samples_per_s']:.1f} samples/s; wrote {run_dir}")
+    return summary
+
+
+# ------------------------------------------------------------------------ driver side
+def _ensure_ray(config: Config) -> None:
+    """Start Ray as the pipeline executor does, unless it is running already."""
+    import ray
+
+    if not ray.is_initialized():
+        opts = config.ray
+        ray.init(address=opts.get("address"), num_cpus=opts.get("num_cpus"), include_dashboard=False,
+                 log_to_driver=opts.get("log_to_driver", True))
+
+
+def _worker_resources(config: Config, cluster: dict[str, float]) -> tuple[float, float]:
+    """CPUs and GPUs per worker: the pipeline's defaults, checked against the cluster so Ray Train cannot wait forever."""
+    p = config.pipeline
+    n = p.stages
+    total_cpus = cluster.get("CPU", 0.0)
+    cpus = p.cpus_per_stage
+    if cpus is None:
+        cpus = max(0.01, math.floor(min(1.0, total_cpus / n) * 100) / 100)
+    gpus = p.gpus_per_stage if p.gpus_per_stage is not None else (1.0 if torch.cuda.is_available() else 0.0)
+    if n * cpus > total_cpus + 1e-9:
+        raise ConfigError(
+            f"pipeline.stages={n} workers with pipeline.cpus_per_stage={cpus:g} need {n * cpus:g} CPUs but the "
+            f"Ray cluster has {total_cpus:g}; lower pipeline.cpus_per_stage (null shares the cluster's CPUs) "
+            "or pipeline.stages"
+        )
+    if n * gpus > cluster.get("GPU", 0.0) + 1e-9:
+        raise ConfigError(
+            f"pipeline.stages={n} workers with pipeline.gpus_per_stage={gpus:g} need {n * gpus:g} GPUs but the "
+            f"Ray cluster has {cluster.get('GPU', 0.0):g}; lower pipeline.gpus_per_stage or pipeline.stages"
+        )
+    return cpus, gpus
+
+
+def _messages(queue: Any, thread: threading.Thread) -> Iterator[tuple]:
+    """The queue's items while ``thread`` (``fit()``) runs, then whatever the workers put before they exited."""
+    from ray.util.queue import Empty
+
+    while thread.is_alive():
+        try:
+            yield queue.get(timeout=_POLL_S)
+        except Empty:
+            continue
+    while True:  # every put happened before fit() returned: drain what is left
+        try:
+            yield queue.get_nowait()
+        except Empty:
+            return
+
+
+def _worker_error(errors: list[tuple[int, str, str]], cause: BaseException) -> BaseException:
+    if not errors:
+        err: BaseException = DataParallelError(f"the Ray Train run of pipeline.method=dataparallel failed: {cause}")
+    else:
+        rank, kind, message = errors[0]
+        if kind == "FloatingPointError":
+            err = FloatingPointError(message)
+        else:
+            err = DataParallelError(f"Ray Train worker {rank} of pipeline.method=dataparallel failed: {kind}: {message}")
+    err.__cause__ = cause
+    return err
+
+
+# ------------------------------------------------------------------------ worker side
+def _worker_loop(loop_config: dict[str, Any]) -> None:
+    """One Ray Train worker: its chunk of every global batch, DDP gradients, ``Stage.step`` updates."""
+    import ray
+    import ray.train
+    import ray.train.torch
+    import torch.distributed as dist
+
+    from rayspec.executor import stats_of
+    from rayspec.trainer import lr_schedule
+
+    c: Config = loop_config["config"]
+    queue = loop_config["queue"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    try:
+        torch.set_num_threads(loop_config["threads"])
+        dataset, model = ray.get(loop_config["data"]), ray.get(loop_config["model"])
+        device = ray.train.torch.get_device()
+        replica = ray.train.torch.prepare_model(model, move_to_device=device)  # DDP when world > 1
+        o, t = c.optim, c.train
+        # One stage holding the whole model: the update is the pipeline stages' own Stage.step. Its own
+        # random stream per rank (dropout): ranks see different samples.
+        stage = Stage(replica, 0, 1, policy="none", lr=lr_schedule(c), momentum=o.momentum,
+                      weight_decay=o.weight_decay, dampening=o.dampening, nesterov=o.nesterov, group=1,
+                      backward="mixed", device=device, seed=c.seed + 1_000_003 * rank)
+        if rank == 0:
+            queue.put(("ready",))
+        batches = train_batches(dataset, t.batch_size, c.seed)
+        window: list[torch.Tensor] = []
+        for step in range(1, t.max_steps + 1):
+            x, y = next(batches)
+            window.append(stage.forward(step - 1, x.chunk(world)[rank], y.chunk(world)[rank]))
+            stage.backward(step - 1, update=True)
+            evaluating = bool(t.eval_every) and step % t.eval_every == 0 and step < t.max_steps
+            if step % t.log_every and not evaluating and step < t.max_steps:
+                continue
+            losses = torch.stack(window).double()  # (updates in the window,)
+            window = []
+            if world > 1:
+                dist.all_reduce(losses)
+                losses /= world  # equal chunks: the mean of chunk means is the global batch's mean
+            values = losses.tolist()
+            if not all(math.isfinite(v) for v in values):
+                raise FloatingPointError(f"the loss became non-finite by update {step}; lower optim.lr")
+            if rank == 0:
+                queue.put(("losses", values))
+                if evaluating and loop_config["has_val"]:
+                    queue.put(("eval", step, _cpu_state(model)))
+        st = stats_of(stage)
+        st["stage"] = rank
+        queue.put(("stats", rank, st))
+        if rank == 0:
+            queue.put(("final", t.max_steps, _cpu_state(model)))
+    except BaseException as err:
+        try:
+            queue.put(("error", rank, type(err).__name__, str(err)), timeout=5)
+        except Exception:  # the queue is gone: the driver ended the run
+            pass
+        raise
+
+
+def _cpu_state(model: nn.Module) -> bytes:
+    """The replica's state_dict under the model's own names (not DDP's ``module.`` ones), as ``torch.save`` bytes.
+
+    Bytes, not tensors: the queue actor then never unpickles tensors, so it need not import torch
+    (seconds on a small machine) before it can hand the final weights on.
+    """
+    buf = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
+    return buf.getvalue()
+
+
+def _load_state(blob: bytes) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO(blob), weights_only=True)
