@@ -96,6 +96,8 @@ class Config:
     ray: dict[str, Any] = field(default_factory=dict)
     logger: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
     seed: int = 0
+    trace: bool = False
+    """Record every action's start and end; write ``trace.json`` (Chrome/Perfetto) and ``timeline.png``."""
 
     def validate(self) -> Config:
         """Check every value that needs no model or data; raise ``ConfigError`` naming the value and the fix."""
@@ -120,6 +122,8 @@ class Config:
             if getattr(t, name) is not None:
                 _int(f"train.{name}", getattr(t, name), 1, "use null for the whole split")
         _int("seed", self.seed, 0, "use a non-negative integer seed")
+        if not isinstance(self.trace, bool):
+            raise ConfigError(f"trace={self.trace!r} must be true or false, e.g. +trace=true")
         if not _number(o.lr) or o.lr <= 0:
             raise ConfigError(f"optim.lr={o.lr!r} must be a positive number, e.g. optim.lr=0.05")
         if not _number(o.momentum) or not 0 <= o.momentum < 1:
@@ -229,5 +233,6 @@ def from_mapping(cfg: Mapping[str, Any]) -> Config:
         ray=dict(cfg.get("ray") or {}),
         logger=dict(cfg.get("logger") or {"name": "none"}),
         seed=cfg.get("seed", 0),
+        trace=cfg.get("trace", False),
     )
     return config.validate()

@@ -84,6 +84,10 @@ class Executor(ABC):
     def stage_stats(self) -> list[dict]:
         """Per stage: actions, busy seconds per kind, version, peak stash and weight bytes."""
 
+    def timeline(self) -> list[list[tuple[str, int, float, float]]]:
+        """Per stage, ``(kind, micro-batch, start, end)`` of every action (stages built with ``trace=True``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no timeline")
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release resources (actors, process groups)."""
 
@@ -132,6 +136,7 @@ def stats_of(stage: Stage) -> dict:
         "peak_stash": stage.stats.peak_stash,
         "peak_weight_bytes": stage.stats.peak_weight_bytes,
         "weight_bytes": stage.weight_bytes(),
+        "sent_bytes": dict(stage.stats.sent_bytes),
     }
 
 
@@ -187,3 +192,6 @@ class LocalExecutor(Executor):
 
     def stage_stats(self) -> list[dict]:
         return [stats_of(st) for st in self.stages]
+
+    def timeline(self) -> list[list[tuple[str, int, float, float]]]:
+        return [list(st.timeline) for st in self.stages]

@@ -95,6 +95,9 @@ class StageActor:
     def records(self) -> list[dict[str, Any]]:
         return self.stage.records
 
+    def timeline(self) -> list[tuple[str, int, float, float]]:
+        return self.stage.timeline
+
     def get_stage(self) -> Stage:
         return self.stage
 
@@ -270,6 +273,9 @@ class RayExecutor(Executor):
 
     def records(self) -> list[list[dict[str, Any]]]:
         return ray.get([a.records.remote() for a in self.actors])
+
+    def timeline(self) -> list[list[tuple[str, int, float, float]]]:
+        return ray.get([a.timeline.remote() for a in self.actors])
 
     def close(self) -> None:
         for a in getattr(self, "actors", []):

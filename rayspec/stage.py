@@ -62,6 +62,9 @@ class StageStats:
     busy_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
     peak_stash: int = 0
     peak_weight_bytes: int = 0
+    sent_bytes: dict[str, int] = field(default_factory=lambda: {"F": 0, "B": 0})
+    """Bytes of the tensors this stage hands on: activations to the next stage (``F``) and input
+    gradients to the previous one (``B``); what the transport moves across its boundaries."""
 
 
 class Stage:
@@ -83,6 +86,7 @@ class Stage:
         seed: seeds the stage's own random stream (dropout): each stage draws from its own
             stream in its own action order, so the numbers do not depend on how stages interleave
             or on which process runs them.
+        trace: keep the start and end (wall-clock seconds) of every action in ``timeline``.
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class Stage:
         device: str | torch.device = "cpu",
         record: bool = False,
         seed: int = 0,
+        trace: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is unknown; choose one of {', '.join(POLICIES)}")
@@ -129,6 +134,8 @@ class Stage:
             torch.manual_seed(seed * 7919 + index + 1)
             self.rng = _rng_state(self.device)
         self.records: list[dict[str, Any]] = []
+        self.trace = trace
+        self.timeline: list[tuple[str, int, float, float]] = []  # (kind, micro-batch, start, end) in epoch s
 
     # ------------------------------------------------------------------ actions
     def forward(self, m: int, x: Activation, labels: torch.Tensor | None = None, s: int = 0) -> Activation:
@@ -161,12 +168,13 @@ class Stage:
                 result = loss.detach()
             else:
                 result = _detach(out)
+                self.stats.sent_bytes["F"] += _nbytes(result)
             self.rng = _rng_state(self.device)
         held_labels = labels if self.is_last and keep is None else None
         self.inflight[m] = _InFlight(inputs, keep, self.version, rng, held_labels)
         if self.record:
             self.records[-1].update(inputs=_detach(inputs), labels=labels)
-        self._account("F", t0)
+        self._account("F", t0, m)
         return result
 
     def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False) -> Activation | None:
@@ -197,6 +205,8 @@ class Stage:
                 pairs = [(o, g) for o, g in zip(_flat(outputs), _flat(grad)) if g is not None and o.requires_grad]
                 torch.autograd.backward([o for o, _ in pairs], [g.to(self.device) for _, g in pairs])
         grad_in = None if self.is_first else _input_grad(job.inputs)
+        if grad_in is not None:
+            self.stats.sent_bytes["B"] += _nbytes(grad_in)
         if self.record:
             self.records[-1].update(
                 inputs=_detach(job.inputs), grad_output=grad, labels=job.labels,
@@ -207,7 +217,7 @@ class Stage:
         self.pending += 1
         if update:
             self.step()
-        self._account("B", t0)
+        self._account("B", t0, m)
         return grad_in
 
     def step(self) -> None:
@@ -271,9 +281,13 @@ class Stage:
     def _track_memory(self) -> None:
         self.stats.peak_weight_bytes = max(self.stats.peak_weight_bytes, sum(self.weight_bytes().values()))
 
-    def _account(self, kind: str, t0: float) -> None:
+    def _account(self, kind: str, t0: float, m: int) -> None:
+        busy = time.perf_counter() - t0
         self.stats.actions[kind] += 1
-        self.stats.busy_s[kind] += time.perf_counter() - t0
+        self.stats.busy_s[kind] += busy
+        if self.trace:
+            end = time.time()
+            self.timeline.append((kind, m, end - busy, end))
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -346,6 +360,10 @@ def _prepare_input(x: Activation, device: torch.device, requires_grad: bool) -> 
         return t
 
     return tuple(one(t) for t in x) if isinstance(x, (tuple, list)) else one(x)
+
+
+def _nbytes(x: Activation) -> int:
+    return sum(t.numel() * t.element_size() for t in _flat(x) if isinstance(t, torch.Tensor))
 
 
 def _detach(x: Activation) -> Activation:

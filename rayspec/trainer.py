@@ -23,10 +23,11 @@ from rayspec.data.loader import eval_batches, train_batches
 from rayspec.executor import Executor, LocalExecutor
 from rayspec.models import build_model, model_options
 from rayspec.optim import LRSchedule
-from rayspec.partition import Plan, check_balance, plan, split, uniform
+from rayspec.partition import Plan, check_balance, human_bytes, plan, split, uniform
 from rayspec.profile import profile_blocks
 from rayspec.schedule import METHOD_SCHEDULE, build_schedule
 from rayspec.stage import METHOD_POLICY, Stage
+from rayspec.trace import bubble_fraction, write_chrome_trace, write_gantt
 
 __all__ = ["Prepared", "prepare", "build_stages", "train"]
 
@@ -107,7 +108,7 @@ def build_stages(prepared: Prepared, device: str = "cpu", record: bool = False) 
         Stage(
             part, k, n, policy=METHOD_POLICY[c.pipeline.method], lr=lr_schedule(c), momentum=o.momentum,
             weight_decay=o.weight_decay, dampening=o.dampening, nesterov=o.nesterov, group=group,
-            backward=c.pipeline.backward, device=device, record=record, seed=c.seed,
+            backward=c.pipeline.backward, device=device, record=record, seed=c.seed, trace=c.trace,
         )
         for k, part in enumerate(split(model, prepared.balance))
     ]
@@ -286,11 +287,14 @@ def _run(prepared: Prepared, stages: list[Stage], run_dir: Path, echo: Callable[
     with open(run_dir / "metrics.jsonl", "w") as metrics, make_executor(prepared, stages, placement_group, bundle_offset) as executor:
         progress = _Progress(c, metrics, echo, callbacks)
         progress.t0 = time.perf_counter()
-        done = 0
+        done, run_s, segments = 0, 0.0, []
         while done < c.train.max_steps:
             updates = min(segment, c.train.max_steps - done)
             schedule = build_schedule(schedule_name, p.stages, updates * group, group=group)
+            t0, wall0 = time.perf_counter(), time.time()
             losses = executor.run(schedule, stream, on_loss=progress.loss)
+            run_s += time.perf_counter() - t0
+            segments.append((wall0, time.time()))
             if not all(math.isfinite(x) for x in losses):
                 raise FloatingPointError(f"the loss became non-finite by update {done + updates}; lower optim.lr")
             done += updates
@@ -299,22 +303,34 @@ def _run(prepared: Prepared, stages: list[Stage], run_dir: Path, echo: Callable[
                 progress.write({"step": done, **evals})
                 echo(f"eval  {done:>6}  val_loss {evals['val_loss']:.4f}  val_accuracy {evals['val_accuracy']:.4f}")
         progress.flush()
-        train_s = time.perf_counter() - progress.t0
         state = executor.state_dict()
         stats = executor.stage_stats()
+        timeline = executor.timeline() if c.trace else None
     torch.save(state, run_dir / "model.pt")
+    busy_total = 0.0
     for st in stats:
         busy = st["busy_s"]["F"] + st["busy_s"]["B"]
+        busy_total += busy
         per = busy / max(1, st["actions"]["F"] + st["actions"]["B"]) * 1e3
-        st["busy_fraction"] = busy / max(train_s, 1e-9)
-        echo(f"stage {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}")
+        st["busy_fraction"] = busy / max(run_s, 1e-9)
+        echo(f"stage {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}  "
+             f"sent {human_bytes(st['sent_bytes']['F'] + st['sent_bytes']['B'])}")
+    # Idle share of stage time while the pipeline ran (evaluations excluded); exact action spans with a trace.
+    bubble = max(0.0, 1.0 - busy_total / max(p.stages * run_s, 1e-9))
+    if timeline is not None:
+        bubble = bubble_fraction(timeline, segments)
+        write_chrome_trace(timeline, run_dir / "trace.json", name=f"rayspec {p.method} {p.stages} stages")
+        write_gantt(timeline, run_dir / "timeline.png", title=f"{p.method} on {p.stages} stages, {c.model['name']}")
+        echo(f"trace: {run_dir / 'trace.json'} (open in https://ui.perfetto.dev), {run_dir / 'timeline.png'}")
     summary = {
         "method": p.method, "variant": p.variant, "stages": p.stages, "model": c.model["name"],
         "model_size": c.model.get("size", "full"), "dataset": c.data["name"], "executor": p.executor,
         "transport": p.transport, "balance": prepared.balance, "updates": done,
         "final_train_loss": progress.last_loss, "val_loss": evals.get("val_loss"),
         "val_accuracy": evals.get("val_accuracy"),
-        "samples_per_s": done * c.train.batch_size / max(train_s, 1e-9), "wall_s": time.perf_counter() - t_start,
+        "samples_per_s": done * c.train.batch_size / max(run_s, 1e-9), "train_s": run_s,
+        "wall_s": time.perf_counter() - t_start, "bubble_fraction": bubble,
+        "bytes_per_update": sum(st["sent_bytes"]["F"] + st["sent_bytes"]["B"] for st in stats) / max(done, 1),
         "seed": c.seed, "stage_stats": stats, "config": asdict(c),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
