@@ -85,6 +85,9 @@ def tiny_sweep(ray_session, tmp_path_factory):
     """A real 2-trial sweep of 2-stage Ray pipelines (0.9 CPU each, so both run at once on 2 CPUs)."""
     root = tmp_path_factory.mktemp("sweep")
     path = write_sweep(root / "tiny.yaml", max_concurrent_trials=2)
+    settings = yaml.safe_load(path.read_text())
+    settings["overrides"] += ["logger=wandb", "logger.mode=offline"]  # one offline W&B run per trial
+    path.write_text(yaml.safe_dump(settings))
     lines: list[str] = []
     sweep = load_sweep(str(path), storage_path=str(root / "out"))
     rows = run_sweep(sweep, echo=lines.append)
@@ -109,6 +112,19 @@ def test_two_trial_sweep_writes_results(tiny_sweep):
     command = next(line.strip() for line in lines if line.strip().startswith("python -m rayspec.train"))
     best = from_mapping(compose(shlex.split(command)[3:]))  # the printed best config is a valid command line
     assert best.optim.lr in (0.01, 0.05) and best.pipeline.stages == 2
+
+
+def test_sweep_trials_log_to_wandb_offline(tiny_sweep):
+    from rayspec.loggers import offline_runs, read_offline_history
+
+    _, sweep, rows, _ = tiny_sweep
+    assert len(rows) == 2
+    for r in rows:
+        runs = offline_runs(r["path"])
+        assert len(runs) == 1, r["path"]
+        history = read_offline_history(runs[0], wait_s=60)
+        losses = [h["loss"] for h in history if "loss" in h]
+        assert len(losses) == 2 and all(math.isfinite(v) for v in losses)  # train.log_every=10 of 20 updates
 
 
 def test_sweep_resumes_without_new_trials(tiny_sweep):
