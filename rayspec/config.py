@@ -15,6 +15,7 @@ __all__ = ["TRANSPORTS", "ConfigError", "Config", "PipelineConfig", "OptimConfig
 METHODS = ("dataparallel", *METHOD_SCHEDULE)  # dataparallel has no pipeline schedule: rayspec.dataparallel
 PARTITIONS = ("uniform", "parameters", "profile")
 TRANSPORTS = ("auto", "object_store", "gloo", "nccl")
+LOGGERS = ("none", "wandb")
 
 
 class ConfigError(ValueError):
@@ -122,6 +123,12 @@ class Config:
             if getattr(t, name) is not None:
                 _int(f"train.{name}", getattr(t, name), 1, "use null for the whole split")
         _int("seed", self.seed, 0, "use a non-negative integer seed")
+        _choice("logger", (self.logger or {}).get("name", "none"), LOGGERS)
+        if self.ray.get("address") and (self.ray.get("num_cpus") is not None):
+            raise ConfigError(
+                f"ray.num_cpus={self.ray['num_cpus']} applies only when rayspec starts Ray itself; remove it when "
+                f"joining the cluster at ray.address={self.ray['address']} (the cluster's nodes set their CPUs)"
+            )
         if not isinstance(self.trace, bool):
             raise ConfigError(f"trace={self.trace!r} must be true or false, e.g. +trace=true")
         if not _number(o.lr) or o.lr <= 0:

@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rayspec.config import Config, ConfigError
+from rayspec.config import LOGGERS, Config, ConfigError
 
 __all__ = ["LOGGERS", "WandbLogger", "build_callbacks", "wandb_mode", "read_offline_history", "offline_runs"]
 
 log = logging.getLogger(__name__)
 
-LOGGERS = ("none", "wandb")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 _WANDB_KEYS = {"name", "project", "entity", "group", "tags", "mode", "notes", "job_type"}
 

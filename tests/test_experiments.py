@@ -122,6 +122,5 @@ def test_wandb_mode_offline_without_a_key(monkeypatch, tmp_path):
     ("+logger.colour=red", r"unknown key\(s\) logger.colour"),
 ])
 def test_bad_logger_is_a_clear_error(override, match, tmp_path):
-    config = from_mapping(compose_config("logger=wandb", override))
     with pytest.raises(ConfigError, match=match):
-        build_callbacks(config, tmp_path)
+        build_callbacks(from_mapping(compose_config("logger=wandb", override)), tmp_path)

@@ -96,6 +96,10 @@ BAD = [
     (["model.size=huge"], ModelError, "model.size='huge' is unknown"),
     (["data.name=mnist"], DataError, "data='mnist' is unknown"),
     (["+pipeline.stagse=3"], ConfigError, "unknown key(s) pipeline.stagse"),
+    (["ray.address=auto", "ray.num_cpus=2"], ConfigError, "ray.num_cpus=2 applies only when rayspec starts Ray"),
+    (["+trace=yes"], ConfigError, "trace='yes' must be true or false"),
+    (["train.train_samples=0"], ConfigError, "train.train_samples=0 must be >= 1"),
+    (["logger.name=tensorboard"], ConfigError, "logger='tensorboard' is unknown"),
 ]
 if not torch.cuda.is_available():
     BAD.append((["pipeline.transport=nccl"], ConfigError, "pipeline.transport=nccl needs GPUs"))
