@@ -33,6 +33,16 @@ group; inside a Ray Tune trial whose placement group already holds the trial's r
 for resources forever. ``run_dataparallel`` therefore refuses a ``placement_group`` with a clear
 ``ConfigError``: dataparallel inside a Tune trial is not supported yet.
 
+[Note: bytes] Each worker counts the bytes of the gradient buckets DDP hands to all-reduce (a DDP
+communication hook around torch's default ``allreduce_hook``, so the numbers are unchanged): the sum of
+``bucket.buffer()`` sizes, which is ``P * 4`` bytes per update for ``P`` float32 parameters, since the
+buckets hold every gradient once. The worker's ``stage_stats`` entry reports the total as
+``sent_bytes = {"allreduce": bytes}``, and ``summary["bytes_per_update"]`` is rank 0's total over the
+updates: **bytes all-reduced per worker per update**, not the bytes a ring all-reduce puts on the wire
+(``2 (N-1)/N`` times that per worker). Not counted: DDP's broadcast of buffers (BatchNorm statistics)
+from rank 0 at each forward, and the small loss all-reduce at logging points. A single worker (no
+DDP) all-reduces nothing: 0.
+
 Ray Train's storage (``RunConfig(storage_path=...)``) is ``<run_dir>/ray_train``, run name ``dataparallel``;
 nothing rayspec needs is kept there (no Ray Train checkpoints are written).
 """
@@ -54,6 +64,7 @@ from torch import nn
 
 from rayspec.config import Config, ConfigError
 from rayspec.data.loader import train_batches
+from rayspec.partition import human_bytes
 from rayspec.stage import Stage
 
 if TYPE_CHECKING:
@@ -178,14 +189,19 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
         busy = st["busy_s"]["F"] + st["busy_s"]["B"]
         per = busy / max(1, st["actions"]["F"] + st["actions"]["B"]) * 1e3
         st["busy_fraction"] = busy / max(train_s, 1e-9)
-        echo(f"worker {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}")
+        echo(f"worker {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}  "
+             f"all-reduced {human_bytes(st['sent_bytes']['allreduce'])}")
     summary = {
         "method": p.method, "variant": p.variant, "stages": n, "model": c.model["name"],
         "model_size": c.model.get("size", "full"), "dataset": c.data["name"], "executor": p.executor,
         "transport": backend, "balance": prepared.balance, "updates": done,
         "final_train_loss": progress.last_loss, "val_loss": evals.get("val_loss"),
         "val_accuracy": evals.get("val_accuracy"),
-        "samples_per_s": done * c.train.batch_size / max(train_s, 1e-9), "wall_s": time.perf_counter() - t_start,
+        "samples_per_s": done * c.train.batch_size / max(train_s, 1e-9), "train_s": train_s,
+        "wall_s": time.perf_counter() - t_start,
+        # Idle share of worker time (waiting on all-reduce and the driver), as the pipeline's bubble fraction.
+        "bubble_fraction": max(0.0, 1.0 - sum(st["busy_fraction"] for st in stage_stats) / max(len(stage_stats), 1)),
+        "bytes_per_update": stage_stats[0]["sent_bytes"]["allreduce"] / max(done, 1) if stage_stats else 0.0,
         "seed": c.seed, "stage_stats": stage_stats, "config": asdict(c),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -277,6 +293,7 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
         dataset, model = ray.get(loop_config["data"]), ray.get(loop_config["model"])
         device = ray.train.torch.get_device()
         replica = ray.train.torch.prepare_model(model, move_to_device=device)  # DDP when world > 1
+        allreduced = _count_allreduce(replica)
         o, t = c.optim, c.train
         # One stage holding the whole model: the update is the pipeline stages' own Stage.step. Its own
         # random stream per rank (dropout): ranks see different samples.
@@ -308,6 +325,7 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
                     queue.put(("eval", step, _cpu_state(model)))
         st = stats_of(stage)
         st["stage"] = rank
+        st["sent_bytes"] = {"allreduce": allreduced[0]}  # the one-stage replica hands nothing to other stages
         queue.put(("stats", rank, st))
         if rank == 0:
             queue.put(("final", t.max_steps, _cpu_state(model)))
@@ -317,6 +335,30 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
         except Exception:  # the queue is gone: the driver ended the run
             pass
         raise
+
+
+def _count_allreduce(replica: nn.Module) -> list[int]:
+    """Count the bytes of every gradient bucket ``replica`` (DDP) all-reduces; see the module's note on bytes.
+
+    Returns:
+        A one-element list whose value grows by each bucket's ``bucket.buffer()`` bytes; stays 0 when
+        ``replica`` is not DDP (one worker).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    total = [0]
+    if not isinstance(replica, DistributedDataParallel):
+        return total
+
+    # No annotations: DDP checks them at run time against dist.GradBucket, and ours are strings here.
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        buffer = bucket.buffer()
+        total[0] += buffer.numel() * buffer.element_size()
+        return allreduce_hook(state, bucket)
+
+    replica.register_comm_hook(None, hook)  # state None: the default process group, as DDP uses
+    return total
 
 
 def _cpu_state(model: nn.Module) -> bytes:

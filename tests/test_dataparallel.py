@@ -114,7 +114,7 @@ def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_se
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     pipeline_keys = {"method", "variant", "stages", "model", "model_size", "dataset", "executor", "transport",
                      "balance", "updates", "final_train_loss", "val_loss", "val_accuracy", "samples_per_s",
-                     "wall_s", "seed", "stage_stats", "config"}
+                     "train_s", "wall_s", "bubble_fraction", "bytes_per_update", "seed", "stage_stats", "config"}
     assert set(on_disk) == pipeline_keys
     assert (on_disk["method"], on_disk["stages"], on_disk["updates"]) == ("dataparallel", 2, 120)
     assert on_disk["transport"] == "gloo" and on_disk["val_accuracy"] == evals[-1]["val_accuracy"]
