@@ -24,7 +24,11 @@ def _overrides(model):
             "train.max_steps=4", "train.batch_size=16", "train.log_every=2", "pipeline.cpus_per_stage=0.5"]
 
 
-@pytest.mark.parametrize("model", IMAGE_MODELS + TEXT_MODELS)
+SLOW = {"resnet152", "densenet121", "googlenet", "inception_v4", "snn"}  # run with pytest -m slow
+
+
+@pytest.mark.parametrize("model", [m if m not in SLOW else pytest.param(m, marks=pytest.mark.slow)
+                                   for m in IMAGE_MODELS + TEXT_MODELS])
 def test_tiny_model_trains_on_ray_like_local(model, tmp_path, ray_session):
     if model in TEXT_MODELS and "synthetic_text" not in DATASETS:
         pytest.fail("synthetic_text is not registered")
@@ -47,8 +51,11 @@ def test_tiny_model_trains_on_ray_like_local(model, tmp_path, ray_session):
         torch.testing.assert_close(a[k], b[k])
 
 
-@pytest.mark.parametrize("transport", ["object_store", "gloo"])
-@pytest.mark.parametrize("model_name", TEXT_MODELS)
+@pytest.mark.parametrize(("model_name", "transport"), [
+    ("transformer", "object_store"), ("residual_lstm", "gloo"),
+    pytest.param("transformer", "gloo", marks=pytest.mark.slow),
+    pytest.param("residual_lstm", "object_store", marks=pytest.mark.slow),
+])
 def test_text_pipelines_carry_tuples_with_gradients(model_name, transport, ray_session):
     """Tuple activations (hidden states with masks or LSTM state) cross every stage boundary with their
     gradients: a 4-stage ``vanilla`` pipeline on Ray equals plain SGD on the unpartitioned model."""
