@@ -1,0 +1,124 @@
+"""Smoke tests of ``benchmarks.memory`` and ``benchmarks.peer`` at their smallest sizes: the numbers are sane."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
+
+from benchmarks import memory, peer  # noqa: E402
+from rayspec.data import DataInfo  # noqa: E402
+from rayspec.models import build_model  # noqa: E402
+from rayspec.partition import uniform  # noqa: E402
+
+IMAGE = DataInfo("image", 10, (3, 32, 32))
+TINY = peer.PeerConfig(model="mlp", size="tiny", batch=16, microbatches=4, pool=2)
+
+
+# ----------------------------------------------------------------------------- memory
+@pytest.fixture(scope="module")
+def tiny_mlp():
+    import torch
+
+    torch.manual_seed(0)
+    return build_model("mlp", IMAGE, "tiny")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_memory_peaks_follow_the_stage_accounting(tiny_mlp, n):
+    """Peak weight bytes per stage are exactly the copies Stage keeps, in both segments."""
+    balance = uniform(len(tiny_mlp), n)
+    pd = memory.stage_memory(tiny_mlp, IMAGE, n, "pipedream", balance, segments=2)
+    st = memory.stage_memory(tiny_mlp, IMAGE, n, "spectrain", balance, segments=2)
+    predicts = memory.predicting_stages(n, memory.microbatch_count(n))
+    assert predicts == ([True, False] if n == 2 else [True] * n)  # paper variant: N=2's last stage never predicts
+    for k in range(n):
+        w = pd[k]["weight_bytes"]
+        assert w > 0 and st[k]["weight_bytes"] == w
+        # pipedream: weights + momentum + N-k stashed versions; the drain's scratch stays for later segments
+        assert pd[k]["peak_first"] == w * (2 + n - k)
+        assert pd[k]["peak_later"] == w * (2 + n - k + (1 if k < n - 1 else 0))
+        assert pd[k]["peak_stash"] == n - k
+        assert pd[k]["final"] == {"weights": w, "optimizer": w, "scratch": w if k < n - 1 else 0, "stash": 0}
+        # spectrain: weights + momentum + one scratch copy, never a stash
+        assert st[k]["peak_first"] == st[k]["peak_later"] == w * (3 if predicts[k] else 2)
+        assert st[k]["peak_stash"] == 0
+        assert st[k]["final"] == {"weights": w, "optimizer": w, "scratch": w if predicts[k] else 0, "stash": 0}
+        for method, got in (("pipedream", pd[k]), ("spectrain", st[k])):
+            assert got["peak_first"] == w * memory.expected_copies(method, n, k, later=False, predicts=predicts[k])
+            assert got["peak_later"] == w * memory.expected_copies(method, n, k, later=True, predicts=predicts[k])
+
+
+def test_memory_measure_rows_and_totals():
+    r = memory.measure("mlp", "tiny", 4, "parameters", batch=2, segments=2)
+    assert len(r["per_stage"]) == 4 and sum(r["balance"]) == 7
+    for s in r["per_stage"]:
+        assert s["pipedream_copies"] == s["expected_pipedream"]
+        assert s["pipedream_later_copies"] == s["expected_pipedream_later"]
+        assert s["spectrain_copies"] == s["expected_spectrain"] == 3
+    t = r["total"]
+    assert t["pipedream_mib"] > t["spectrain_mib"] > t["weights_mib"] > 0
+    assert math.isclose(t["ratio"], t["pipedream_mib"] / t["spectrain_mib"])
+
+
+def test_predicting_stages_consistent_variant():
+    assert memory.predicting_stages(4, 12, "consistent") == [True, True, True, False]
+
+
+# ----------------------------------------------------------------------------- peer
+def test_flushed_1f1b_is_torch_schedule1f1b():
+    s = peer.flushed_1f1b(2, 4, 3)
+    assert s.is_synchronous() and s.updates == 3 and s.group == 4
+    first = [str(a) for a in s.actions[0][:8]]
+    assert first == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]  # then the next batch, after the flush
+    assert str(s.actions[0][8]) == "F4"
+    assert peer.rayspec_schedule("gpipe", 4, 3).is_synchronous()
+    assert not peer.rayspec_schedule("spectrain", 4, 3).is_synchronous()
+
+
+def test_microbatches_and_ideal():
+    parts, balance = peer.build_parts(TINY)
+    assert len(parts) == 2 and sum(balance) == 7
+    batches = peer.make_batches(TINY)
+    mbs = peer.microbatches(batches, 1, 3, TINY.microbatches)
+    assert len(mbs) == 3 * TINY.microbatches and mbs[0][0].shape == (4, 3, 32, 32)
+    compute = peer.profile_stages(parts, TINY, repeats=2)
+    assert set(compute) == {(0, "F"), (0, "B"), (1, "F"), (1, "B")} and all(v > 0 for v in compute.values())
+    for runner in peer.RAYSPEC_RUNNERS:
+        assert peer.ideal_step_s(runner, TINY.microbatches, compute) > 0
+
+
+def test_torch_peer_trains():
+    """Both torch schedules give finite losses, a positive throughput, and restart bit-exactly after a reset."""
+    parts, _ = peer.build_parts(TINY)
+    with peer.TorchPeer(parts, TINY, timeout_s=120) as tp:
+        for name in peer.TORCH_SCHEDULES:
+            seconds, losses = tp.steps(name, 2)
+            assert seconds > 0 and len(losses) == 2 and all(math.isfinite(v) for v in losses)
+            assert TINY.batch * 2 / seconds > 0
+            assert tp.last_cpu_s["ranks"] >= 0 and all(v > 0 for v in tp.last_busy_s.values())
+            tp.reset(name)
+            assert tp.steps(name, 2)[1] == losses
+        assert tp.hop_s((4, 64), count=5) > 0
+
+
+@pytest.mark.slow
+def test_rayspec_vs_torch_compare(ray_session):
+    """rayspec gpipe trains to torch GPipe's losses; spectrain gives finite losses; both a positive throughput."""
+    parts, _ = peer.build_parts(TINY)
+    with peer.TorchPeer(parts, TINY, timeout_s=120) as tp:
+        gp = peer.compare(parts, TINY, tp, "gpipe", "object_store", steps=2, warmup=1, repeats=1, cpus_per_stage=0.5)
+        sp = peer.compare(parts, TINY, tp, "spectrain", "object_store", steps=2, warmup=1, repeats=1,
+                          cpus_per_stage=0.5)
+    assert gp["losses_finite"] and sp["losses_finite"]
+    assert gp["max_loss_diff"] < 1e-5  # the same synchronous training on both sides
+    assert sp["max_loss_diff"] is None
+    for row in (gp, sp):
+        assert row["rayspec_samples_per_s"] > 0 and row["torch_samples_per_s"] > 0 and row["ratio"] > 0
+        assert len(row["rayspec_losses"]) == len(row["torch_losses"]) == 3
+        assert all(v > 0 for v in row["rayspec_busy_ms"].values())
+    assert peer.ray_hop_s("object_store", (4, 64), count=10) > 0
