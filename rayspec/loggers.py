@@ -97,7 +97,7 @@ class WandbLogger:
         if mode not in WANDB_MODES:
             raise ConfigError(f"logger.mode={mode!r} is unknown; choose one of {', '.join(WANDB_MODES)}")
         self.run_dir = Path(run_dir)
-        self.options = {"project": project, "entity": entity, "group": group, "name": name, "tags": list(tags),
+        self.options: dict[str, Any] = {"project": project, "entity": entity, "group": group, "name": name, "tags": list(tags),
                         "notes": notes, "job_type": job_type}
         self.mode, self.reason = wandb_mode(mode)
         self.echo = echo
@@ -227,7 +227,7 @@ def read_offline_history(run: str | os.PathLike, wait_s: float = 0.0) -> list[di
     while True:
         rows, finished = [], False
         for payload in _records(path):
-            rec = pb.Record()
+            rec = pb.Record()  # type: ignore[attr-defined]
             rec.ParseFromString(payload)
             kind = rec.WhichOneof("record_type")
             finished |= kind == "exit"

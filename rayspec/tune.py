@@ -377,7 +377,7 @@ class _Reporter:
         if "val_loss" not in record:
             self.last = record
             return
-        result = {"step": record["step"], "val_loss": record["val_loss"], "val_accuracy": record["val_accuracy"],
+        result: dict[str, Any] = {"step": record["step"], "val_loss": record["val_loss"], "val_accuracy": record["val_accuracy"],
                   **{k: self.last[k] for k in ("loss", "samples_per_s") if k in self.last}}
         if record["step"] >= self.final_step:
             self.final = result
