@@ -52,35 +52,20 @@ import torch
 from torch import nn
 
 from benchmarks._common import start_ray, table, write
+from benchmarks.partition import build
 from rayspec.data import DataInfo
 from rayspec.executor import LocalExecutor
-from rayspec.models import MODELS, ModelError, build_model
+from rayspec.models import MODELS, ModelError
 from rayspec.partition import by_parameters, human_bytes, split, uniform
+from rayspec.profile import activation_bytes
 from rayspec.schedule import METHOD_SCHEDULE, build_schedule
 from rayspec.stage import METHOD_POLICY, Stage
 
-IMAGE = DataInfo("image", 10, (3, 32, 32))
-TEXT = DataInfo("text", 2, (256,), 20000)
 BATCH = {"image": 128, "text": 256}  # the paper's batch per update: CIFAR-10 128, IMDb 256
 PAPER_MODELS = ("vgg16", "resnet152", "inception_v4", "snn", "transformer", "residual_lstm")
 EXTRA_MODELS = ("resnet50", "densenet121", "googlenet")  # run by the authors' public code
 COUNT_METHODS = ("vanilla", "async", "pipedream", "spectrain")  # one micro-batch per update
 PARTITION_CHOICES = ("uniform", "parameters")
-
-
-def build(name: str, size: str) -> tuple[nn.Sequential, DataInfo]:
-    """Model ``name`` at ``size`` on images if it takes them, else on text.
-
-    Raises:
-        ModelError: when it builds for neither.
-    """
-    try:
-        return build_model(name, IMAGE, size), IMAGE
-    except ModelError as image_error:
-        try:
-            return build_model(name, TEXT, size), TEXT
-        except ModelError as text_error:
-            raise ModelError(f"model={name} builds for neither image ({image_error}) nor text ({text_error})") from None
 
 
 def example_batch(info: DataInfo, batch: int, seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,10 +93,6 @@ def _tensors(x: Any) -> tuple[torch.Tensor, ...]:
     return tuple(t for t in (x if isinstance(x, (tuple, list)) else (x,)) if isinstance(t, torch.Tensor))
 
 
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def block_bytes(model: nn.Sequential, info: DataInfo, batch: int) -> list[dict[str, int]]:
     """Bytes each block's output would move across a stage boundary after it, for one batch.
 
@@ -128,7 +109,7 @@ def block_bytes(model: nn.Sequential, info: DataInfo, batch: int) -> list[dict[s
         for block in meta:
             x = block(x)
             tensors = _tensors(x)
-            out.append({"F": _nbytes(tensors), "B": _nbytes([t for t in tensors if t.is_floating_point()])})
+            out.append({"F": activation_bytes(tensors), "B": activation_bytes([t for t in tensors if t.is_floating_point()])})
     return out
 
 

@@ -51,6 +51,11 @@ class PipelineConfig:
     placement: Literal["pack", "spread"] = "pack"
     """Placement-group strategy for the stage actors."""
 
+    @property
+    def group(self) -> int:
+        """Micro-batches per optimizer update: ``microbatches`` for gpipe, 1 for every other method."""
+        return self.microbatches if self.method == "gpipe" else 1
+
 
 @dataclass
 class OptimConfig:

@@ -50,12 +50,10 @@ nothing rayspec needs is kept there (no Ray Train checkpoints are written).
 from __future__ import annotations
 
 import io
-import json
 import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +62,6 @@ from torch import nn
 
 from rayspec.config import Config, ConfigError
 from rayspec.data.loader import train_batches
-from rayspec.partition import human_bytes
 from rayspec.stage import Stage
 
 if TYPE_CHECKING:
@@ -98,7 +95,7 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
         ConfigError: inside a Tune placement group, or when the workers do not fit the Ray cluster.
         DataParallelError: a worker failed (``FloatingPointError`` when the loss became non-finite).
     """
-    from rayspec.trainer import _Progress, evaluate
+    from rayspec.trainer import _Progress, evaluate, report_stages, write_summary
 
     c, p = prepared.config, prepared.config.pipeline
     if placement_group is not None:
@@ -112,7 +109,8 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
-    _ensure_ray(c)
+    from rayspec.ray_executor import ensure_ray
+    ensure_ray(c.ray)
     n = p.stages
     cpus, gpus = _worker_resources(c, ray.cluster_resources())
     backend = "nccl" if gpus > 0 else "gloo"
@@ -185,51 +183,24 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
     done = c.train.max_steps
     torch.save(final, run_dir / "model.pt")
     stage_stats = [stats[r] for r in sorted(stats)]
-    for st in stage_stats:
-        busy = st["busy_s"]["F"] + st["busy_s"]["B"]
-        per = busy / max(1, st["actions"]["F"] + st["actions"]["B"]) * 1e3
-        st["busy_fraction"] = busy / max(train_s, 1e-9)
-        echo(f"worker {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}  "
-             f"all-reduced {human_bytes(st['sent_bytes']['allreduce'])}")
-    summary = {
-        "method": p.method, "variant": p.variant, "stages": n, "model": c.model["name"],
-        "model_size": c.model.get("size", "full"), "dataset": c.data["name"], "executor": p.executor,
-        "transport": backend, "balance": prepared.balance, "updates": done,
-        "final_train_loss": progress.last_loss, "val_loss": evals.get("val_loss"),
-        "val_accuracy": evals.get("val_accuracy"),
-        "samples_per_s": done * c.train.batch_size / max(train_s, 1e-9), "train_s": train_s,
-        "wall_s": time.perf_counter() - t_start,
-        # Idle share of worker time (waiting on all-reduce and the driver), as the pipeline's bubble fraction.
-        "bubble_fraction": max(0.0, 1.0 - sum(st["busy_fraction"] for st in stage_stats) / max(len(stage_stats), 1)),
-        "bytes_per_update": stage_stats[0]["sent_bytes"]["allreduce"] / max(done, 1) if stage_stats else 0.0,
-        "seed": c.seed, "stage_stats": stage_stats, "config": asdict(c),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    echo(f"done: {done} updates, final loss {progress.last_loss:.4f}, val_accuracy {summary['val_accuracy']}, "
-         f"{summary['samples_per_s']:.1f} samples/s; wrote {run_dir}")
+    # Idle share of worker time (waiting on all-reduce and the driver), as the pipeline's bubble fraction.
+    bubble = 1.0 - report_stages(stage_stats, train_s, echo, who="worker", sent="all-reduced")
+    allreduced = stage_stats[0]["sent_bytes"]["allreduce"] / max(done, 1) if stage_stats else 0.0
+    summary = write_summary(prepared, run_dir, echo, transport=backend, updates=done, last_loss=progress.last_loss,
+                            evals=evals, train_s=train_s, wall_s=time.perf_counter() - t_start, bubble=bubble,
+                            bytes_per_update=allreduced, stats=stage_stats)
     return summary
 
 
 # ------------------------------------------------------------------------ driver side
-def _ensure_ray(config: Config) -> None:
-    """Start Ray as the pipeline executor does, unless it is running already."""
-    import ray
-
-    if not ray.is_initialized():
-        opts = config.ray
-        ray.init(address=opts.get("address"), num_cpus=opts.get("num_cpus"), include_dashboard=False,
-                 log_to_driver=opts.get("log_to_driver", True))
-
-
 def _worker_resources(config: Config, cluster: dict[str, float]) -> tuple[float, float]:
     """CPUs and GPUs per worker: the pipeline's defaults, checked against the cluster so Ray Train cannot wait forever."""
+    from rayspec.ray_executor import stage_resources
+
     p = config.pipeline
     n = p.stages
     total_cpus = cluster.get("CPU", 0.0)
-    cpus = p.cpus_per_stage
-    if cpus is None:
-        cpus = max(0.01, math.floor(min(1.0, total_cpus / n) * 100) / 100)
-    gpus = p.gpus_per_stage if p.gpus_per_stage is not None else (1.0 if torch.cuda.is_available() else 0.0)
+    cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, n)
     if n * cpus > total_cpus + 1e-9:
         raise ConfigError(
             f"pipeline.stages={n} workers with pipeline.cpus_per_stage={cpus:g} need {n * cpus:g} CPUs but the "

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -31,6 +32,24 @@ __all__ = ["RayExecutor", "StageActor", "TRANSPORTS", "resolve_transport"]
 log = logging.getLogger(__name__)
 
 _ZERO_COPY = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+
+
+def ensure_ray(options: Mapping[str, Any]) -> None:
+    """Start Ray with the config's ``ray`` section (``address``, ``num_cpus``, ``log_to_driver``) unless it runs."""
+    if not ray.is_initialized():
+        ray.init(address=options.get("address"), num_cpus=options.get("num_cpus"), include_dashboard=False,
+                 log_to_driver=options.get("log_to_driver", True))
+
+
+def stage_resources(cpus: float | None, gpus: float | None, stages: int, reserved_cpus: float = 0.0) -> tuple[float, float]:
+    """CPUs and GPUs of one stage actor (or worker): by default the cluster's CPUs, less ``reserved_cpus``,
+    shared among ``stages`` (at most 1 each), and one GPU each when CUDA is available."""
+    if cpus is None:
+        total = ray.cluster_resources().get("CPU", 1.0) - reserved_cpus
+        cpus = max(0.01, math.floor(min(1.0, total / stages) * 100) / 100)
+    if gpus is None:
+        gpus = 1.0 if torch.cuda.is_available() else 0.0
+    return float(cpus), float(gpus)
 
 
 def resolve_transport(transport: str, use_gpu: bool) -> str:

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from rayspec.optim import SGD, LRSchedule
+from rayspec.profile import activation_bytes
 
 __all__ = ["Stage", "Activation", "POLICIES", "METHOD_POLICY"]
 
@@ -168,7 +169,7 @@ class Stage:
                 result = loss.detach()
             else:
                 result = _detach(out)
-                self.stats.sent_bytes["F"] += _nbytes(result)
+                self.stats.sent_bytes["F"] += activation_bytes(result)
             self.rng = _rng_state(self.device)
         held_labels = labels if self.is_last and keep is None else None
         self.inflight[m] = _InFlight(inputs, keep, self.version, rng, held_labels)
@@ -206,7 +207,7 @@ class Stage:
                 torch.autograd.backward([o for o, _ in pairs], [g.to(self.device) for _, g in pairs])
         grad_in = None if self.is_first else _input_grad(job.inputs)
         if grad_in is not None:
-            self.stats.sent_bytes["B"] += _nbytes(grad_in)
+            self.stats.sent_bytes["B"] += activation_bytes(grad_in)
         if self.record:
             self.records[-1].update(
                 inputs=_detach(job.inputs), grad_output=grad, labels=job.labels,
@@ -360,10 +361,6 @@ def _prepare_input(x: Activation, device: torch.device, requires_grad: bool) -> 
         return t
 
     return tuple(one(t) for t in x) if isinstance(x, (tuple, list)) else one(x)
-
-
-def _nbytes(x: Activation) -> int:
-    return sum(t.numel() * t.element_size() for t in _flat(x) if isinstance(t, torch.Tensor))
 
 
 def _detach(x: Activation) -> Activation:

@@ -7,6 +7,7 @@ up; on one machine they share a clock, across machines they are as close as the 
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from collections.abc import Sequence
@@ -25,12 +26,16 @@ def _spans(timeline: Timeline, segments: Sequence[tuple[float, float]] | None) -
         return []
     if not segments:
         return [max(a[3] for a in actions) - min(a[2] for a in actions)]
-    spans = []
-    for lo, hi in segments:
-        inside = [a for a in actions if lo <= a[2] and a[3] <= hi]
-        if inside:
-            spans.append(max(a[3] for a in inside) - min(a[2] for a in inside))
-    return spans
+    # Segments are successive runs in time order: each action belongs to the last one starting before it.
+    starts = [lo for lo, _ in segments]
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for _, _, start, end in actions:
+        i = bisect.bisect_right(starts, start) - 1
+        if i >= 0 and end <= segments[i][1]:
+            first[i] = min(first.get(i, start), start)
+            last[i] = max(last.get(i, end), end)
+    return [last[i] - first[i] for i in sorted(first)]
 
 
 def bubble_fraction(timeline: Timeline, segments: Sequence[tuple[float, float]] | None = None) -> float:

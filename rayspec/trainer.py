@@ -85,8 +85,7 @@ def _plan(model: nn.Sequential, data: DataBundle, config: Config) -> Plan:
     uniform(len(model), p.stages)  # the same clear error for too many stages, whatever the partition
     if p.balance is not None:
         check_balance(p.balance, len(model), p.stages)
-    group = p.microbatches if p.method == "gpipe" else 1
-    size = max(1, min(config.train.batch_size // group, len(data.train)))  # type: ignore[arg-type]
+    size = max(1, min(config.train.batch_size // p.group, len(data.train)))  # type: ignore[arg-type]
     sample = next(iter(eval_batches(data.train, size)))[0]
     profiled = p.partition == "profile" and p.balance is None
     profiles = profile_blocks(model, sample, warmup=1, repeats=3 if profiled else 1)
@@ -103,7 +102,7 @@ def build_stages(prepared: Prepared, device: str = "cpu", record: bool = False) 
     c, o = prepared.config, prepared.config.optim
     model = copy.deepcopy(prepared.model)
     n = c.pipeline.stages
-    group = c.pipeline.microbatches if c.pipeline.method == "gpipe" else 1
+    group = c.pipeline.group
     return [
         Stage(
             part, k, n, policy=METHOD_POLICY[c.pipeline.method], lr=lr_schedule(c), momentum=o.momentum,
@@ -128,19 +127,10 @@ def make_executor(prepared: Prepared, stages: list[Stage], placement_group: Any 
     p = prepared.config.pipeline
     if p.executor == "local":
         return LocalExecutor(stages, p.method, p.variant)
-    import ray
+    from rayspec.ray_executor import RayExecutor, ensure_ray, stage_resources
 
-    from rayspec.ray_executor import RayExecutor
-
-    if not ray.is_initialized():
-        opts = prepared.config.ray
-        ray.init(address=opts.get("address"), num_cpus=opts.get("num_cpus"), include_dashboard=False,
-                 log_to_driver=opts.get("log_to_driver", True))
-    gpus = p.gpus_per_stage if p.gpus_per_stage is not None else (1.0 if torch.cuda.is_available() else 0.0)
-    cpus = p.cpus_per_stage
-    if cpus is None:
-        total = ray.cluster_resources().get("CPU", 1.0)
-        cpus = max(0.01, math.floor(min(1.0, total / p.stages) * 100) / 100)
+    ensure_ray(prepared.config.ray)
+    cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages)
     return RayExecutor(
         stages, p.method, p.variant, transport=p.transport, cpus_per_stage=cpus, gpus_per_stage=gpus,
         max_in_flight=p.max_in_flight, placement_strategy=p.placement.upper(), placement_group=placement_group,
@@ -162,6 +152,14 @@ def evaluate(model: nn.Module, state: dict[str, torch.Tensor], dataset: Any, bat
     return {"val_loss": loss / total, "val_accuracy": correct / total}
 
 
+def notify(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
+    """Call ``hook`` on every callback that has it (callbacks implement any of ``on_start``, ``on_metrics``, ``on_end``)."""
+    for cb in callbacks:
+        fn = getattr(cb, hook, None)
+        if fn is not None:
+            fn(*args)
+
+
 def _duration(seconds: float) -> str:
     """``3725`` -> ``1:02:05``; ``65`` -> ``1:05``."""
     m, sec = divmod(int(round(seconds)), 60)
@@ -174,7 +172,7 @@ class _Progress:
 
     def __init__(self, config: Config, metrics: Any, echo: Callable[[str], None], callbacks: Sequence[Any] = ()) -> None:
         self.c, self.metrics, self.echo, self.callbacks = config, metrics, echo, list(callbacks)
-        self.group = config.pipeline.microbatches if config.pipeline.method == "gpipe" else 1
+        self.group = config.pipeline.group
         self.lr = lr_schedule(config)
         self.t0 = time.perf_counter()
         self.updates = 0
@@ -211,9 +209,7 @@ class _Progress:
     def write(self, rec: dict) -> None:
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
-        for cb in self.callbacks:
-            if hasattr(cb, "on_metrics"):
-                cb.on_metrics(rec)
+        notify(self.callbacks, "on_metrics", rec)
 
 
 def train(
@@ -254,19 +250,48 @@ def train(
         echo(f"partition ({prepared.plan.partition}, times per micro-batch on this machine's CPU):")
         for line in prepared.plan.table().splitlines():
             echo("  " + line)
-    for cb in callbacks:
-        if hasattr(cb, "on_start"):
-            cb.on_start(config)
+    notify(callbacks, "on_start", config)
     try:
         summary = _run(prepared, stages, run_dir, echo, callbacks, placement_group, bundle_offset)
     except BaseException:
-        for cb in callbacks:
-            if hasattr(cb, "on_end"):
-                cb.on_end(None)
+        notify(callbacks, "on_end", None)
         raise
-    for cb in callbacks:
-        if hasattr(cb, "on_end"):
-            cb.on_end(summary)
+    notify(callbacks, "on_end", summary)
+    return summary
+
+
+def report_stages(stats: list[dict], seconds: float, echo: Callable[[str], None], who: str = "stage",
+                  sent: str = "sent") -> float:
+    """Add ``busy_fraction`` (busy share of ``seconds``) to each stage's stats, print one line per stage,
+    and return the mean busy fraction."""
+    fractions = []
+    for st in stats:
+        busy = st["busy_s"]["F"] + st["busy_s"]["B"]
+        per = busy / max(1, st["actions"]["F"] + st["actions"]["B"]) * 1e3
+        st["busy_fraction"] = busy / max(seconds, 1e-9)
+        fractions.append(st["busy_fraction"])
+        echo(f"{who} {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}  "
+             f"{sent} {human_bytes(sum(st['sent_bytes'].values()))}")
+    return max(0.0, min(1.0, sum(fractions) / max(len(fractions), 1)))
+
+
+def write_summary(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], *, transport: str, updates: int,
+                  last_loss: float, evals: dict[str, float], train_s: float, wall_s: float, bubble: float,
+                  bytes_per_update: float, stats: list[dict]) -> dict[str, Any]:
+    """The run's ``summary.json`` (DESIGN §4), the same keys for every method; written, echoed and returned."""
+    c, p = prepared.config, prepared.config.pipeline
+    summary = {
+        "method": p.method, "variant": p.variant, "stages": p.stages, "model": c.model["name"],
+        "model_size": c.model.get("size", "full"), "dataset": c.data["name"], "executor": p.executor,
+        "transport": transport, "balance": prepared.balance, "updates": updates,
+        "final_train_loss": last_loss, "val_loss": evals.get("val_loss"), "val_accuracy": evals.get("val_accuracy"),
+        "samples_per_s": updates * c.train.batch_size / max(train_s, 1e-9), "train_s": train_s,
+        "wall_s": wall_s, "bubble_fraction": max(0.0, bubble), "bytes_per_update": bytes_per_update,
+        "seed": c.seed, "stage_stats": stats, "config": asdict(c),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    echo(f"done: {updates} updates, final loss {last_loss:.4f}, val_accuracy {summary['val_accuracy']}, "
+         f"{summary['samples_per_s']:.1f} samples/s; wrote {run_dir}")
     return summary
 
 
@@ -278,7 +303,7 @@ def _run(prepared: Prepared, stages: list[Stage], run_dir: Path, echo: Callable[
         from rayspec.dataparallel import run_dataparallel
 
         return run_dataparallel(prepared, run_dir, echo, callbacks, placement_group)
-    group = p.microbatches if p.method == "gpipe" else 1
+    group = p.group
     schedule_name = METHOD_SCHEDULE[p.method]
     stream = _microbatches(train_batches(prepared.data.train, c.train.batch_size, c.seed), group)
     segment = c.train.eval_every or c.train.max_steps
@@ -307,33 +332,15 @@ def _run(prepared: Prepared, stages: list[Stage], run_dir: Path, echo: Callable[
         stats = executor.stage_stats()
         timeline = executor.timeline() if c.trace else None
     torch.save(state, run_dir / "model.pt")
-    busy_total = 0.0
-    for st in stats:
-        busy = st["busy_s"]["F"] + st["busy_s"]["B"]
-        busy_total += busy
-        per = busy / max(1, st["actions"]["F"] + st["actions"]["B"]) * 1e3
-        st["busy_fraction"] = busy / max(run_s, 1e-9)
-        echo(f"stage {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}  "
-             f"sent {human_bytes(st['sent_bytes']['F'] + st['sent_bytes']['B'])}")
     # Idle share of stage time while the pipeline ran (evaluations excluded); exact action spans with a trace.
-    bubble = max(0.0, 1.0 - busy_total / max(p.stages * run_s, 1e-9))
+    bubble = 1.0 - report_stages(stats, run_s, echo)
     if timeline is not None:
         bubble = bubble_fraction(timeline, segments)
         write_chrome_trace(timeline, run_dir / "trace.json", name=f"rayspec {p.method} {p.stages} stages")
         write_gantt(timeline, run_dir / "timeline.png", title=f"{p.method} on {p.stages} stages, {c.model['name']}")
         echo(f"trace: {run_dir / 'trace.json'} (open in https://ui.perfetto.dev), {run_dir / 'timeline.png'}")
-    summary = {
-        "method": p.method, "variant": p.variant, "stages": p.stages, "model": c.model["name"],
-        "model_size": c.model.get("size", "full"), "dataset": c.data["name"], "executor": p.executor,
-        "transport": p.transport, "balance": prepared.balance, "updates": done,
-        "final_train_loss": progress.last_loss, "val_loss": evals.get("val_loss"),
-        "val_accuracy": evals.get("val_accuracy"),
-        "samples_per_s": done * c.train.batch_size / max(run_s, 1e-9), "train_s": run_s,
-        "wall_s": time.perf_counter() - t_start, "bubble_fraction": bubble,
-        "bytes_per_update": sum(st["sent_bytes"]["F"] + st["sent_bytes"]["B"] for st in stats) / max(done, 1),
-        "seed": c.seed, "stage_stats": stats, "config": asdict(c),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    echo(f"done: {done} updates, final loss {progress.last_loss:.4f}, val_accuracy {summary['val_accuracy']}, "
-         f"{summary['samples_per_s']:.1f} samples/s; wrote {run_dir}")
+    sent = sum(sum(st["sent_bytes"].values()) for st in stats)
+    summary = write_summary(prepared, run_dir, echo, transport=p.transport, updates=done, last_loss=progress.last_loss,
+                            evals=evals, train_s=run_s, wall_s=time.perf_counter() - t_start, bubble=bubble,
+                            bytes_per_update=sent / max(done, 1), stats=stats)
     return summary

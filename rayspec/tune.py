@@ -342,23 +342,11 @@ class _Resources:
         if p.executor == "local":
             return [{"CPU": self.setup.driver_cpus or 1.0}], "PACK"
         driver = self.setup.driver_cpus or 0.1
-        cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages, driver)
+        from rayspec.ray_executor import stage_resources
+
+        cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages, reserved_cpus=driver)
         stage = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         return [{"CPU": driver}] + [dict(stage) for _ in range(p.stages)], p.placement.upper()
-
-
-def stage_resources(cpus: float | None, gpus: float | None, stages: int, driver_cpus: float) -> tuple[float, float]:
-    """CPUs and GPUs of one stage bundle; by default one trial's stages share the cluster (at most 1 CPU each)."""
-    if cpus is None:
-        import ray
-
-        total = ray.cluster_resources().get("CPU", 1.0) - driver_cpus
-        cpus = max(0.01, math.floor(min(1.0, total / stages) * 100) / 100)
-    if gpus is None:
-        import torch
-
-        gpus = 1.0 if torch.cuda.is_available() else 0.0
-    return float(cpus), float(gpus)
 
 
 class _Reporter:
@@ -480,12 +468,9 @@ def _state(sweep: Sweep) -> dict[str, Any]:
 
 
 def _start_ray(sweep: Sweep) -> None:
-    import ray
+    from rayspec.ray_executor import ensure_ray
 
-    if not ray.is_initialized():
-        opts = compose(sweep.overrides).get("ray") or {}
-        ray.init(address=opts.get("address"), num_cpus=opts.get("num_cpus"), include_dashboard=False,
-                 log_to_driver=opts.get("log_to_driver", True))
+    ensure_ray(compose(sweep.overrides).get("ray") or {})
 
 
 def _tuner(sweep: Sweep, resume: bool, echo: Callable[[str], None]) -> Any:
