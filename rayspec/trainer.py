@@ -228,7 +228,8 @@ def train(
         echo: prints one console line.
         callbacks: objects with any of ``on_start(config)``, ``on_metrics(record)`` (every record written
             to ``metrics.jsonl``: per-step ``loss`` records and per-evaluation ``val_*`` records) and
-            ``on_end(summary)``; ``on_end`` is also called, with ``None``, when training fails.
+            ``on_end(summary)``; ``on_end`` is also called, with ``None``, when training fails. Pipeline methods
+            also call ``on_weights(step, state_dict)`` at every evaluation with the merged weights evaluated.
         placement_group: a Ray placement group to create the stage actors in (a Tune trial's), stage ``k``
             in bundle ``bundle_offset + k``; by default the Ray executor creates its own.
         bundle_offset: the first stage bundle in ``placement_group``.
@@ -324,7 +325,9 @@ def _run(prepared: Prepared, stages: list[Stage], run_dir: Path, echo: Callable[
                 raise FloatingPointError(f"the loss became non-finite by update {done + updates}; lower optim.lr")
             done += updates
             if prepared.data.val is not None:
-                evals = evaluate(prepared.model, executor.state_dict(), prepared.data.val, c.train.eval_batch_size)
+                weights = executor.state_dict()
+                notify(callbacks, "on_weights", done, weights)
+                evals = evaluate(prepared.model, weights, prepared.data.val, c.train.eval_batch_size)
                 progress.write({"step": done, **evals})
                 echo(f"eval  {done:>6}  val_loss {evals['val_loss']:.4f}  val_accuracy {evals['val_accuracy']:.4f}")
         progress.flush()
