@@ -120,6 +120,10 @@ class StageActor:
     def get_stage(self) -> Stage:
         return self.stage
 
+    def node_id(self) -> str:
+        """The id of the Ray node this actor runs on."""
+        return ray.get_runtime_context().get_node_id()
+
 
 def _contiguous(x: Activation) -> Activation:
     if isinstance(x, tuple):
@@ -295,6 +299,10 @@ class RayExecutor(Executor):
 
     def timeline(self) -> list[list[tuple[str, int, float, float]]]:
         return ray.get([a.timeline.remote() for a in self.actors])
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of each stage actor, stage 0 first (what ``placement_strategy`` decided)."""
+        return ray.get([a.node_id.remote() for a in self.actors])
 
     def close(self) -> None:
         for a in getattr(self, "actors", []):
