@@ -1,0 +1,69 @@
+"""Train one small config on a multi-node Ray cluster with each ``pipeline.placement``; print what ran where.
+
+``python tests/placement_run.py OUT_DIR`` starts its own Ray nodes on this machine
+(``ray.cluster_utils.Cluster``: a head without CPUs and three 3-CPU worker nodes), trains the
+same 3-stage run with ``pipeline.placement=spread``, with ``pack`` and with the local executor
+into ``OUT_DIR/<name>/``, and prints one JSON line: the worker node ids, the node of each stage
+actor per placement, and each run's final loss. ``tests/test_cluster.py`` runs it in a process
+of its own, apart from the test session's Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray._common.utils
+import ray._private.utils
+from ray.cluster_utils import Cluster
+
+from rayspec import trainer
+from rayspec.config import from_mapping
+from rayspec.tune import compose
+
+# Cluster records its address in the machine's default Ray directory (/tmp/ray), where any plain
+# ray.init() on the machine would find and join it; this cluster is private to the script.
+ray._private.utils.write_ray_address = lambda *args, **kwargs: None
+ray._common.utils.reset_ray_address = lambda *args, **kwargs: None
+
+WORKERS = 3
+OVERRIDES = ["debug=smoke", "pipeline.stages=3", "pipeline.cpus_per_stage=1", "train.max_steps=6",
+             "ray.log_to_driver=false"]
+NODE = {"object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
+
+
+def main(out_dir: Path) -> None:
+    temp = tempfile.mkdtemp(prefix="rs-nodes-")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp, **NODE})
+    try:
+        workers = [cluster.add_node(num_cpus=3, temp_dir=temp, **NODE).node_id for _ in range(WORKERS)]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        placed: dict[str, list[str]] = {}
+        real = trainer.make_executor
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            executor = real(*args, **kwargs)
+            if hasattr(executor, "node_ids"):  # the Ray executor
+                placed[name] = executor.node_ids()
+            return executor
+
+        trainer.make_executor = recording
+        losses = {}
+        for name, extra in (("spread", ["pipeline.placement=spread"]), ("pack", ["pipeline.placement=pack"]),
+                            ("local", ["pipeline.executor=local"])):
+            config = from_mapping(compose(OVERRIDES + extra))
+            summary = trainer.train(config, out_dir / name, echo=lambda line: None)
+            losses[name] = summary["final_train_loss"]
+        print(json.dumps({"head": cluster.head_node.node_id, "workers": workers, "placed": placed, "loss": losses}))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

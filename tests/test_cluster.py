@@ -1,0 +1,296 @@
+"""A real Ray cluster: ``ray start --head`` and ``ray job submit`` end to end, placement over several nodes,
+and the example cluster files.
+
+Each cluster here is private: the head runs on free ports with its own temporary directory and
+token, as one process group that is stopped by signal (never ``ray stop``, which would stop every
+Ray on the machine), and the multi-node run lives in a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rayspec.config import from_mapping
+from rayspec.models import build_model
+from rayspec.trainer import prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "examples" / "cluster"
+BIN = Path(sys.executable).parent  # the environment's python and ray: the head's jobs run this python
+
+
+def _free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _free_range(size: int = 200) -> tuple[int, int]:
+    """A run of ``size`` ports that are free now, for the head's worker processes."""
+    for _ in range(50):
+        base = random.randrange(20000, 60000 - size)
+        socks = []
+        try:
+            for port in range(base, base + size):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base, base + size - 1
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"found no {size} consecutive free ports")
+
+
+def _group(pgid: int) -> list[str]:
+    """``pid args`` of every live process in process group ``pgid``."""
+    out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 3) for line in out.splitlines()]
+    return [f"{r[0]} {r[3] if len(r) > 3 else ''}"[:160] for r in rows
+            if len(r) >= 3 and r[1] == str(pgid) and not r[2].startswith("Z")]
+
+
+def _stop_group(proc: subprocess.Popen, timeout: float = 60.0) -> list[str]:
+    """SIGTERM the group's leader (``ray start --block`` then stops its Ray processes), wait for the whole
+    group to go, SIGKILL what is left; returns what was still running when the wait ended."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while (left := _group(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    return left
+
+
+class RayHead:
+    """``ray start --head --block`` on 127.0.0.1: free ports, its own temporary directory and token,
+    and the environment's ``bin`` first on ``PATH`` (so a job's ``python`` is this environment's)."""
+
+    def __init__(self, num_cpus: int = 2) -> None:
+        self.temp = Path(tempfile.mkdtemp(prefix="rs-head-"))  # short: Ray's socket paths live under it
+        token = self.temp / "auth_token"
+        token.write_text(secrets.token_hex(32))
+        gcs, self.dashboard, client, node, objects, agent, agent_grpc, env_agent, metrics = _free_ports(9)
+        self.agent = agent
+        low, high = _free_range()
+        self.address = f"http://127.0.0.1:{self.dashboard}"
+        self.env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env.pop("RAY_ADDRESS", None)
+        self.token = token.read_text()
+        self.command = [
+            str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+            "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={self.dashboard}",
+            f"--ray-client-server-port={client}", f"--node-manager-port={node}", f"--object-manager-port={objects}",
+            f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={env_agent}", f"--metrics-export-port={metrics}",
+            f"--min-worker-port={low}", f"--max-worker-port={high}", f"--num-cpus={num_cpus}",
+            "--object-store-memory=200000000", f"--temp-dir={self.temp}", "--disable-usage-stats",
+        ]
+        self.log = self.temp / "head.out"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def get(self, url: str) -> bytes:
+        """GET ``url`` from the dashboard (or its agent) with the head's token."""
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.read()
+
+    def _ok(self, url: str) -> bool:
+        try:
+            self.get(url)
+            return True
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float = 180.0) -> float:
+        """Wait until the dashboard and the head's dashboard agent (which runs submitted jobs) answer."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                pytest.fail(f"ray start --head exited with {self.proc.returncode}:\n{self.tail()}")
+            if self._ok(f"{self.address}/api/version") and self._ok(f"http://127.0.0.1:{self.agent}/api/healthz"):
+                return time.monotonic() - t0
+            time.sleep(0.5)
+        pytest.fail(f"the head's dashboard or agent did not answer within {timeout:.0f} s:\n{self.tail()}")
+
+    def ray(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "ray"), *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT)
+
+    def tail(self, chars: int = 3000) -> str:
+        logs = self.temp / "session_latest" / "logs"
+        parts = [self.log.read_text()[-chars:]] if self.log.exists() else []
+        for name in ("dashboard_agent.log", "dashboard.log"):
+            if (logs / name).exists():
+                parts.append(f"--- {name}\n" + (logs / name).read_text()[-chars:])
+        return "\n".join(parts)
+
+    def stop(self) -> list[str]:
+        left = _stop_group(self.proc) if self.proc is not None else []
+        shutil.rmtree(self.temp, ignore_errors=True)
+        return left
+
+
+@pytest.fixture
+def head() -> Iterator[RayHead]:
+    h = RayHead()
+    h.start()
+    try:
+        yield h
+    finally:
+        left = h.stop()
+        assert not left, f"still running after the head was stopped: {left}"
+
+
+def _submit(head: RayHead, submission_id: str, overrides: list[str], timeout: float = 60.0) -> tuple[
+        subprocess.CompletedProcess, float]:
+    """``examples/cluster/submit.sh`` against the head; retried while the dashboard has no agent yet."""
+    env = {**head.env, "SUBMIT_OPTIONS": f"--submission-id {submission_id}"}
+    t0 = time.monotonic()
+    while True:
+        res = subprocess.run([str(CLUSTER / "submit.sh"), head.address, *overrides], env=env, capture_output=True,
+                             text=True, timeout=600, cwd=ROOT)
+        if res.returncode == 0 or "No available agent" not in res.stdout + res.stderr:
+            return res, time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            return res, time.monotonic() - t0
+        time.sleep(2)
+
+
+def test_job_submit_to_a_ray_start_head(head, tmp_path):
+    """``ray start --head``, then ``submit.sh`` (``ray job submit --working-dir .``) runs a smoke training job on
+    that cluster: SUCCEEDED, on the Ray executor, and the job's run directory holds the §4 files."""
+    ready_s = head.wait_ready()
+    run_dir = tmp_path / "run"
+    job = f"rayspec-smoke-{secrets.token_hex(4)}"
+    res, submit_s = _submit(head, job, ["debug=smoke", "pipeline.stages=2", f"hydra.run.dir={run_dir}"])
+    out = res.stdout + res.stderr
+    logs = head.ray("job", "logs", job, "--address", head.address)
+    context = f"submit ({submit_s:.0f} s):\n{out[-4000:]}\njob logs:\n{logs.stdout[-4000:]}\n{logs.stderr[-2000:]}"
+    assert res.returncode == 0, context
+    info = json.loads(head.get(f"{head.address}/api/jobs/{job}"))
+    assert info["status"] == "SUCCEEDED", f"{info}\n{context}"
+    assert info["entrypoint"].startswith("python -m rayspec.train debug=smoke"), info
+    assert "executor=ray" in logs.stdout and "step      4/4" in logs.stdout, context
+    assert "Connecting to existing Ray cluster" in logs.stdout, context
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["executor"], summary["stages"], summary["updates"]) == ("ray", 2, 4), summary
+    assert math.isfinite(summary["final_train_loss"]), summary
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if "loss" in r] == [2, 4]
+    config = from_mapping(yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text()))
+    model = build_model(config.model["name"], prepare(config).data.info, config.model["size"])
+    model.load_state_dict(torch.load(run_dir / "model.pt"))
+
+    # What --working-dir uploaded, as the head unpacked it: the checkout without .venv and caches.
+    packages = list((head.temp / "session_latest" / "runtime_resources" / "working_dir_files").glob("_ray_pkg_*/"))
+    assert len(packages) == 1, packages
+    files = [p for p in packages[0].rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    assert (packages[0] / "rayspec" / "train.py").exists() and not (packages[0] / ".venv").exists()
+    assert size < 8 * 2**20, f"uploaded {size / 2**20:.1f} MiB in {len(files)} files"
+    print(f"head ready in {ready_s:.1f} s; job submitted and done in {submit_s:.1f} s; "
+          f"uploaded {size / 2**20:.2f} MiB in {len(files)} files")
+
+
+def test_spread_puts_each_stage_on_its_own_node_with_the_same_numbers(tmp_path):
+    """Several Ray nodes on this machine: ``placement=spread`` puts each stage actor on its own node, ``pack``
+    keeps them on one node, and both give the local executor's final weights and loss."""
+    token = tmp_path / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("placement_run.py")), str(tmp_path)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        _stop_group(proc, timeout=10)
+        out, err = proc.communicate()
+        pytest.fail(f"the multi-node run did not end within 400 s:\n{err[-4000:]}")
+    left = _stop_group(proc, timeout=30)
+    assert proc.returncode == 0, err[-4000:]
+    assert not left, f"still running after the multi-node run: {left}"
+    result = json.loads(out.strip().splitlines()[-1])
+    spread, pack, workers = result["placed"]["spread"], result["placed"]["pack"], result["workers"]
+    assert len(set(spread)) == 3 and set(spread) <= set(workers), result
+    assert len(set(pack)) == 1 and pack[0] in workers, result
+    assert result["loss"]["spread"] == result["loss"]["pack"], result
+    weights = {name: torch.load(tmp_path / name / "model.pt") for name in ("spread", "pack", "local")}
+    for name in weights["local"]:
+        assert torch.equal(weights["spread"][name], weights["pack"][name]), name
+        torch.testing.assert_close(weights["spread"][name], weights["local"][name], rtol=1e-5, atol=1e-6)
+    assert math.isclose(result["loss"]["spread"], result["loss"]["local"], rel_tol=1e-5), result
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((CLUSTER / name).read_text())
+
+
+def test_ray_up_cluster_file():
+    """``ray up examples/cluster/cluster.yaml``: a head and GPU workers that install rayspec and can take jobs."""
+    c = _load("cluster.yaml")
+    assert c["cluster_name"] and c["provider"]["type"] and c["max_workers"] >= 1
+    assert c["head_node_type"] in c["available_node_types"]
+    workers = [t for name, t in c["available_node_types"].items() if name != c["head_node_type"]]
+    assert workers and all(t["max_workers"] >= 1 for t in workers)
+    setup = " ".join(c["setup_commands"])
+    assert "pip install" in setup and "rayspec" in setup
+    assert any("ray start --head" in cmd and "--dashboard-host=0.0.0.0" in cmd for cmd in c["head_start_ray_commands"])
+    assert any("ray start --address" in cmd for cmd in c["worker_start_ray_commands"])
+
+
+def test_kuberay_rayjob_manifest():
+    """``kubectl apply -f examples/cluster/rayjob.yaml``: a KubeRay RayJob whose entrypoint trains with rayspec."""
+    job = _load("rayjob.yaml")
+    assert job["apiVersion"].startswith("ray.io/") and job["kind"] == "RayJob"
+    spec = job["spec"]
+    assert spec["entrypoint"].startswith("python -m rayspec.train")
+    assert "hydra.run.dir=" in spec["entrypoint"]
+    cluster = spec["rayClusterSpec"]
+    images = [c["image"] for c in cluster["headGroupSpec"]["template"]["spec"]["containers"]]
+    for group in cluster["workerGroupSpecs"]:
+        images += [c["image"] for c in group["template"]["spec"]["containers"]]
+        assert group["replicas"] >= 1
+    assert images and all(images)
+
+
+def test_submit_script_usage():
+    res = subprocess.run([str(CLUSTER / "submit.sh")], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "usage:" in res.stderr
