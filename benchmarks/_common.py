@@ -64,3 +64,36 @@ def table(rows: list[dict], columns: list[str]) -> str:
     lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
     lines += ["  ".join(f"{r[c]}".ljust(widths[c]) for c in columns) for r in rows]
     return "\n".join(lines)
+
+
+def stage_actor_processes() -> list:
+    """This driver's live stage actor processes (Ray titles them ``ray::StageActor...``), oldest first."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(proc.cmdline()).startswith("ray::StageActor"):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return sorted(found, key=lambda p: p.create_time())
+
+
+class KillStage:
+    """A run callback: at update ``at``, SIGKILL the newest stage actor's process (the running pipeline's last stage)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.pid: int | None = None
+        self.killed_at: float | None = None  # time.time() of the kill
+
+    def on_metrics(self, record: dict) -> None:
+        import signal
+
+        if self.pid is None and "loss" in record and record["step"] >= self.at:
+            victims = stage_actor_processes()
+            if not victims:
+                raise RuntimeError("no stage actor process found under this driver")
+            self.pid, self.killed_at = victims[-1].pid, time.time()
+            os.kill(self.pid, signal.SIGKILL)

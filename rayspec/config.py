@@ -10,7 +10,7 @@ from typing import Any, Literal
 from rayspec.optim import SCHEDULES as LR_SCHEDULES
 from rayspec.schedule import METHOD_SCHEDULE, VARIANTS
 
-__all__ = ["TRANSPORTS", "ConfigError", "Config", "PipelineConfig", "OptimConfig", "TrainConfig", "from_mapping", "METHODS"]
+__all__ = ["TRANSPORTS", "ConfigError", "Config", "PipelineConfig", "OptimConfig", "TrainConfig", "CheckpointConfig", "FaultConfig", "from_mapping", "METHODS"]
 
 METHODS = ("dataparallel", *METHOD_SCHEDULE)  # dataparallel has no pipeline schedule: rayspec.dataparallel
 PARTITIONS = ("uniform", "parameters", "profile")
@@ -93,6 +93,24 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Updates between checkpoints (0: only at the end); the pipeline drains at each (``rayspec.checkpoint``)."""
+    keep: int = 3
+    """Newest checkpoints kept; older ones are deleted."""
+    dir: str | None = None
+    """Where checkpoints go; default ``RUN_DIR/checkpoints``."""
+    resume: str | None = None
+    """``auto`` (the newest checkpoint in ``dir``, if any), a checkpoint file or a run directory; null: start afresh."""
+
+
+@dataclass
+class FaultConfig:
+    max_restarts: int = 0
+    """Times a run whose stage actor died is restarted from its last checkpoint (Ray executor only)."""
+
+
+@dataclass
 class Config:
     model: dict[str, Any] = field(default_factory=lambda: {"name": "mlp", "size": "small"})
     data: dict[str, Any] = field(default_factory=lambda: {"name": "synthetic_image"})
@@ -101,6 +119,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     ray: dict[str, Any] = field(default_factory=dict)
     logger: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     seed: int = 0
     trace: bool = False
     """Record every action's start and end; write ``trace.json`` (Chrome/Perfetto) and ``timeline.png``."""
@@ -128,6 +148,13 @@ class Config:
             if getattr(t, name) is not None:
                 _int(f"train.{name}", getattr(t, name), 1, "use null for the whole split")
         _int("seed", self.seed, 0, "use a non-negative integer seed")
+        ck = self.checkpoint
+        _int("checkpoint.every", ck.every, 0, "use 0 to checkpoint only at the end")
+        _int("checkpoint.keep", ck.keep, 1, "keep at least the newest checkpoint")
+        _int("fault.max_restarts", self.fault.max_restarts, 0, "use 0 to stop at the first failure")
+        for name in ("dir", "resume"):
+            if getattr(ck, name) is not None and not isinstance(getattr(ck, name), str):
+                raise ConfigError(f"checkpoint.{name}={getattr(ck, name)!r} must be a path (or null)")
         _choice("logger", (self.logger or {}).get("name", "none"), LOGGERS)
         if self.ray.get("address") and (self.ray.get("num_cpus") is not None):
             raise ConfigError(
@@ -242,6 +269,8 @@ def from_mapping(cfg: Mapping[str, Any]) -> Config:
         pipeline=_section(PipelineConfig, "pipeline", pipeline),
         optim=_section(OptimConfig, "optim", cfg.get("optim")),
         train=_section(TrainConfig, "train", cfg.get("train")),
+        checkpoint=_section(CheckpointConfig, "checkpoint", cfg.get("checkpoint")),
+        fault=_section(FaultConfig, "fault", cfg.get("fault")),
         ray=dict(cfg.get("ray") or {}),
         logger=dict(cfg.get("logger") or {"name": "none"}),
         seed=cfg.get("seed", 0),

@@ -88,6 +88,10 @@ class Executor(ABC):
         """Per stage, ``(kind, micro-batch, start, end)`` of every action (stages built with ``trace=True``)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no timeline")
 
+    @abstractmethod
+    def checkpoint_states(self) -> list[dict]:
+        """Per stage, ``Stage.checkpoint_state()`` (between segments, when the pipeline is drained)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release resources (actors, process groups)."""
 
@@ -195,3 +199,6 @@ class LocalExecutor(Executor):
 
     def timeline(self) -> list[list[tuple[str, int, float, float]]]:
         return [list(st.timeline) for st in self.stages]
+
+    def checkpoint_states(self) -> list[dict]:
+        return [st.checkpoint_state() for st in self.stages]

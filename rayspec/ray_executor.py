@@ -27,7 +27,7 @@ from rayspec.executor import Executor, MicrobatchFeed, check_stages, fused_backw
 from rayspec.schedule import Schedule
 from rayspec.stage import Activation, Stage
 
-__all__ = ["RayExecutor", "StageActor", "TRANSPORTS", "resolve_transport"]
+__all__ = ["RayExecutor", "StageActor", "TRANSPORTS", "resolve_transport", "actor_died", "task_cause"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,28 @@ def stage_resources(cpus: float | None, gpus: float | None, stages: int, reserve
     if gpus is None:
         gpus = 1.0 if torch.cuda.is_available() else 0.0
     return float(cpus), float(gpus)
+
+
+def actor_died(err: BaseException) -> bool:
+    """Whether ``err`` (or what it wraps) says a stage actor or an object it made was lost."""
+    from ray.exceptions import ObjectLostError, RayActorError
+
+    seen = 0
+    cause: BaseException | None = err
+    while cause is not None and seen < 10:
+        if isinstance(cause, (RayActorError, ObjectLostError)):
+            return True
+        cause, seen = getattr(cause, "cause", None) or cause.__cause__, seen + 1
+    return False
+
+
+def task_cause(err: BaseException) -> BaseException:
+    """The exception a stage raised inside its actor, unwrapped from Ray's ``RayTaskError``; else ``err``."""
+    from ray.exceptions import RayTaskError
+
+    while isinstance(err, RayTaskError) and isinstance(getattr(err, "cause", None), BaseException):
+        err = err.cause
+    return err
 
 
 def resolve_transport(transport: str, use_gpu: bool) -> str:
@@ -123,6 +145,9 @@ class StageActor:
     def node_id(self) -> str:
         """The id of the Ray node this actor runs on."""
         return ray.get_runtime_context().get_node_id()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.stage.checkpoint_state()
 
 
 def _contiguous(x: Activation) -> Activation:
@@ -303,6 +328,11 @@ class RayExecutor(Executor):
     def node_ids(self) -> list[str]:
         """The Ray node of each stage actor, stage 0 first (what ``placement_strategy`` decided)."""
         return ray.get([a.node_id.remote() for a in self.actors])
+
+    def checkpoint_states(self) -> list[dict]:
+        with warnings.catch_warnings():  # read-only zero-copy tensors: the checkpoint writer only reads them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return ray.get([a.checkpoint_state.remote() for a in self.actors])
 
     def close(self) -> None:
         for a in getattr(self, "actors", []):

@@ -25,7 +25,10 @@ either way.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -165,6 +168,11 @@ class Stage:
                 labels = labels.to(self.device)
                 with torch.set_grad_enabled(keep is not None):
                     loss = self.loss_fn(out, labels) / self.group
+                if not math.isfinite(value := float(loss.detach())):
+                    raise FloatingPointError(
+                        f"the loss of micro-batch {m} is {value} at update {self.version + 1} on stage {self.index} "
+                        "(the last); lower optim.lr or add warm-up (optim.warmup)"
+                    )
                 keep = loss if keep is not None else None
                 result = loss.detach()
             else:
@@ -222,7 +230,15 @@ class Stage:
         return grad_in
 
     def step(self) -> None:
-        """Apply the accumulated gradient: one update, one version."""
+        """Apply the accumulated gradient: one update, one version; a non-finite gradient raises first."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads and not torch.isfinite(torch.stack(torch._foreach_norm(grads, math.inf))).all():  # max |g|: no overflow
+            bad = next(name for name, p in self.module.named_parameters()
+                       if p.grad is not None and not torch.isfinite(p.grad).all())
+            raise FloatingPointError(
+                f"the gradient of {bad} is not finite at update {self.version + 1} on stage {self.index}; "
+                "lower optim.lr or add warm-up (optim.warmup)"
+            )
         self.optimizer.step(self.lr(self.version))
         self.optimizer.zero_grad()
         self.version += 1
@@ -293,6 +309,38 @@ class Stage:
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything a drained stage needs to continue exactly (``rayspec.checkpoint``): weights and buffers,
+        the optimizer's momentum (SpecTrain's velocity), the version, the random stream and the counters."""
+        if not self.drained():
+            raise RuntimeError(
+                f"stage {self.index} has {len(self.inflight)} micro-batches in flight and {self.pending} pending "
+                "backwards; checkpoint only a drained pipeline"
+            )
+        return {
+            "module": self.state_dict(),
+            "momentum": [None if b is None else b.detach().cpu().clone() for b in self.optimizer.buffers],
+            "version": self.version,
+            "rng": [t.clone() for t in self.rng],
+            "stats": json.dumps(dataclasses.asdict(self.stats)),
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Continue from ``checkpoint_state()``'s output (of the same stage of the same partition)."""
+        if len(state["momentum"]) != len(self.params):
+            raise ValueError(
+                f"stage {self.index}: the checkpoint has {len(state['momentum'])} parameters, this stage "
+                f"{len(self.params)}; resume with the partition the checkpoint was written with"
+            )
+        self.module.load_state_dict(state["module"])
+        self.optimizer.buffers = [None if b is None else b.to(self.device).clone() for b in state["momentum"]]
+        self.version = int(state["version"])
+        self.pending = 0
+        self.inflight.clear()
+        self.stash.clear()
+        self.rng = tuple(t.clone() for t in state["rng"])
+        self.stats = StageStats(**json.loads(state["stats"]))
 
     def drained(self) -> bool:
         return not self.inflight and self.pending == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import Subset, TensorDataset
 
+from rayspec.checkpoint import CheckpointStore, check_compatible, config_json, load_checkpoint, resolve_resume
 from rayspec.config import Config, ConfigError
 from rayspec.data import DataBundle, build_data
 from rayspec.data.loader import eval_batches, train_batches
@@ -43,11 +43,41 @@ class Prepared:
     model: nn.Sequential
     balance: list[int]
     plan: Plan | None = None
+    checkpoints: Path | None = None
+    """The run's checkpoint folder (``checkpoint.dir`` or ``RUN_DIR/checkpoints``); None without a run directory."""
+    resume: dict[str, Any] | None = None
+    """The checkpoint to continue from (``rayspec.checkpoint.load_checkpoint``), if any."""
+    resume_path: Path | None = None
 
 
-def prepare(config: Config) -> Prepared:
-    """Validate the config, build data and model, and choose the partition; raises before any Ray work."""
+def prepare(config: Config, run_dir: str | os.PathLike | None = None) -> Prepared:
+    """Validate the config, build data and model, read the checkpoint to resume from and choose the partition;
+    raises before any Ray work.
+
+    Args:
+        config: the run's settings.
+        run_dir: the run directory; ``checkpoint.resume=auto`` looks in its ``checkpoints/`` unless
+            ``checkpoint.dir`` is set.
+    """
     config.validate()
+    ck = config.checkpoint
+    folder = Path(os.path.expanduser(ck.dir)) if ck.dir else (Path(run_dir) / "checkpoints" if run_dir else None)
+    resume_path = resolve_resume(ck.resume, folder)
+    resume = None
+    if resume_path is not None:
+        resume = load_checkpoint(resume_path)
+        check_compatible(json.loads(resume["config"]), config, resume_path)
+        saved = list(resume["balance"])
+        if config.pipeline.balance is not None and list(config.pipeline.balance) != saved:
+            raise ConfigError(
+                f"pipeline.balance={config.pipeline.balance} differs from the balance {saved} that {resume_path} "
+                "was written with; drop pipeline.balance to resume with the checkpoint's"
+            )
+        if resume["step"] >= config.train.max_steps:
+            raise ConfigError(
+                f"checkpoint.resume: {resume_path} is at update {resume['step']}, which already reaches "
+                f"train.max_steps={config.train.max_steps}; raise train.max_steps to train on"
+            )
     torch.manual_seed(config.seed)
     data_opts = {k: v for k, v in config.data.items() if k not in ("name", "root")}
     data = build_data(config.data["name"], root=config.data.get("root"), seed=config.seed, **data_opts)
@@ -61,9 +91,9 @@ def prepare(config: Config) -> Prepared:
             f"train.batch_size={config.train.batch_size} exceeds the training set ({n_train} samples); lower it"
         )
     if config.pipeline.method == "dataparallel":  # whole-model replicas: nothing to partition
-        return Prepared(config, data, model, [len(model)], None)
-    planned = _plan(model, data, config)
-    return Prepared(config, data, model, list(planned.balance), planned)
+        return Prepared(config, data, model, [len(model)], None, folder, resume, resume_path)
+    planned = _plan(model, data, config, balance=None if resume is None else list(resume["balance"]))
+    return Prepared(config, data, model, list(planned.balance), planned, folder, resume, resume_path)
 
 
 def _first(dataset: Any, count: int | None) -> Any:
@@ -75,21 +105,23 @@ def _first(dataset: Any, count: int | None) -> Any:
     return Subset(dataset, range(count))
 
 
-def _plan(model: nn.Sequential, data: DataBundle, config: Config) -> Plan:
+def _plan(model: nn.Sequential, data: DataBundle, config: Config, balance: list[int] | None = None) -> Plan:
     """Choose the partition and profile each block once on a micro-batch, for the per-stage table.
 
     ``profile`` times every block (a warm-up and the median of three runs); the other partitions
-    time one run after a warm-up, enough for the table's time and activation columns.
+    time one run after a warm-up, enough for the table's time and activation columns. ``balance``
+    (a resumed checkpoint's) wins over the config's.
     """
     p = config.pipeline
     uniform(len(model), p.stages)  # the same clear error for too many stages, whatever the partition
-    if p.balance is not None:
-        check_balance(p.balance, len(model), p.stages)
+    balance = balance if balance is not None else p.balance
+    if balance is not None:
+        check_balance(balance, len(model), p.stages)
     size = max(1, min(config.train.batch_size // p.group, len(data.train)))  # type: ignore[arg-type]
     sample = next(iter(eval_batches(data.train, size)))[0]
-    profiled = p.partition == "profile" and p.balance is None
+    profiled = p.partition == "profile" and balance is None
     profiles = profile_blocks(model, sample, warmup=1, repeats=3 if profiled else 1)
-    return plan(model, p.stages, partition=p.partition, balance=p.balance, profiles=profiles)
+    return plan(model, p.stages, partition=p.partition, balance=balance, profiles=profiles)
 
 
 def lr_schedule(config: Config) -> LRSchedule:
@@ -237,13 +269,10 @@ def train(
     Returns:
         The run summary (also written to ``summary.json``).
     """
-    prepared = prepare(config)
+    prepared = prepare(config, run_dir)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     c, p = config, config.pipeline
-    stages = [] if p.method == "dataparallel" else build_stages(  # dataparallel: Ray Train replicas, no stages
-        prepared, device="cuda" if torch.cuda.is_available() and p.executor == "ray" and (p.gpus_per_stage or 0) > 0
-        else "cpu")
     n_blocks = ", ".join(str(b) for b in prepared.balance)
     echo(f"rayspec: {p.method} ({p.variant}) on {p.stages} stages [{n_blocks} blocks], model={c.model['name']}"
          f"/{c.model.get('size', 'full')}, data={c.data['name']}, executor={p.executor}")
@@ -251,14 +280,23 @@ def train(
         echo(f"partition ({prepared.plan.partition}, times per micro-batch on this machine's CPU):")
         for line in prepared.plan.table().splitlines():
             echo("  " + line)
+    if prepared.resume_path is not None:
+        echo(f"resuming from {prepared.resume_path} (update {prepared.resume['step']})")  # type: ignore[index]
     notify(callbacks, "on_start", config)
     try:
-        summary = _run(prepared, stages, run_dir, echo, callbacks, placement_group, bundle_offset)
+        summary = _run(prepared, run_dir, echo, callbacks, placement_group, bundle_offset)
     except BaseException:
         notify(callbacks, "on_end", None)
         raise
     notify(callbacks, "on_end", summary)
     return summary
+
+
+def stage_device(config: Config) -> str:
+    """Where the stages compute: CUDA for Ray stage actors that get GPUs (by default when CUDA is available)."""
+    p = config.pipeline
+    gpus = p.gpus_per_stage if p.gpus_per_stage is not None else (1.0 if torch.cuda.is_available() else 0.0)
+    return "cuda" if torch.cuda.is_available() and p.executor == "ray" and gpus > 0 else "cpu"
 
 
 def report_stages(stats: list[dict], seconds: float, echo: Callable[[str], None], who: str = "stage",
@@ -278,7 +316,7 @@ def report_stages(stats: list[dict], seconds: float, echo: Callable[[str], None]
 
 def write_summary(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], *, transport: str, updates: int,
                   last_loss: float, evals: dict[str, float], train_s: float, wall_s: float, bubble: float,
-                  bytes_per_update: float, stats: list[dict]) -> dict[str, Any]:
+                  bytes_per_update: float, stats: list[dict], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's ``summary.json`` (DESIGN §4), the same keys for every method; written, echoed and returned."""
     c, p = prepared.config, prepared.config.pipeline
     summary = {
@@ -288,7 +326,7 @@ def write_summary(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
         "final_train_loss": last_loss, "val_loss": evals.get("val_loss"), "val_accuracy": evals.get("val_accuracy"),
         "samples_per_s": updates * c.train.batch_size / max(train_s, 1e-9), "train_s": train_s,
         "wall_s": wall_s, "bubble_fraction": max(0.0, bubble), "bytes_per_update": bytes_per_update,
-        "seed": c.seed, "stage_stats": stats, "config": asdict(c),
+        "seed": c.seed, **(extra or {}), "stage_stats": stats, "config": asdict(c),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     echo(f"done: {updates} updates, final loss {last_loss:.4f}, val_accuracy {summary['val_accuracy']}, "
@@ -296,44 +334,104 @@ def write_summary(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     return summary
 
 
-def _run(prepared: Prepared, stages: list[Stage], run_dir: Path, echo: Callable[[str], None],
-         callbacks: Sequence[Any], placement_group: Any, bundle_offset: int) -> dict[str, Any]:
+class StageDied(RuntimeError):
+    """A stage actor died during a run (its process was killed, its node was lost) after ``updates`` updates."""
+
+    def __init__(self, cause: BaseException, updates: int) -> None:
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"a stage actor died after update {updates} ({type(cause).__name__}: {first})")
+        self.updates = updates
+
+
+def _run(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbacks: Sequence[Any],
+         placement_group: Any, bundle_offset: int) -> dict[str, Any]:
+    """Run to the end; when a stage actor dies, restart from the last checkpoint up to ``fault.max_restarts`` times."""
     c = prepared.config
-    p = c.pipeline
-    if p.method == "dataparallel":  # no schedule or stage actors: Ray Train workers (rayspec.dataparallel)
+    if c.pipeline.method == "dataparallel":  # no schedule or stage actors: Ray Train workers (rayspec.dataparallel)
         from rayspec.dataparallel import run_dataparallel
 
         return run_dataparallel(prepared, run_dir, echo, callbacks, placement_group)
-    group = p.group
-    schedule_name = METHOD_SCHEDULE[p.method]
-    stream = _microbatches(train_batches(prepared.data.train, c.train.batch_size, c.seed), group)
-    segment = c.train.eval_every or c.train.max_steps
-    evals: dict[str, float] = {}
+    assert prepared.checkpoints is not None  # train() always gives prepare() the run directory
+    store = CheckpointStore(prepared.checkpoints, c.checkpoint.keep)
+    restarts: list[dict[str, Any]] = []
+    resume = prepared.resume
     t_start = time.perf_counter()
-    with open(run_dir / "metrics.jsonl", "w") as metrics, make_executor(prepared, stages, placement_group, bundle_offset) as executor:
-        progress = _Progress(c, metrics, echo, callbacks)
-        progress.t0 = time.perf_counter()
-        done, run_s, segments = 0, 0.0, []
-        while done < c.train.max_steps:
-            updates = min(segment, c.train.max_steps - done)
-            schedule = build_schedule(schedule_name, p.stages, updates * group, group=group)
-            t0, wall0 = time.perf_counter(), time.time()
-            losses = executor.run(schedule, stream, on_loss=progress.loss)
-            run_s += time.perf_counter() - t0
-            segments.append((wall0, time.time()))
-            if not all(math.isfinite(x) for x in losses):
-                raise FloatingPointError(f"the loss became non-finite by update {done + updates}; lower optim.lr")
-            done += updates
-            if prepared.data.val is not None:
-                weights = executor.state_dict()
-                notify(callbacks, "on_weights", done, weights)
-                evals = evaluate(prepared.model, weights, prepared.data.val, c.train.eval_batch_size)
-                progress.write({"step": done, **evals})
-                echo(f"eval  {done:>6}  val_loss {evals['val_loss']:.4f}  val_accuracy {evals['val_accuracy']:.4f}")
-        progress.flush()
-        state = executor.state_dict()
-        stats = executor.stage_stats()
-        timeline = executor.timeline() if c.trace else None
+    while True:
+        try:
+            return _run_pipeline(prepared, run_dir, echo, callbacks, placement_group, bundle_offset, store, resume,
+                                 restarts, t_start)
+        except StageDied as err:
+            t_fail = time.perf_counter()
+            if len(restarts) >= c.fault.max_restarts:
+                raise RuntimeError(
+                    f"{err}; stopping after {len(restarts)} restart(s) (fault.max_restarts={c.fault.max_restarts}); "
+                    f"the last checkpoint is {store.latest() or 'none'}: rerun with checkpoint.resume=auto"
+                ) from err.__cause__
+            latest = store.latest()
+            resume = load_checkpoint(latest) if latest is not None else prepared.resume
+            step = resume["step"] if resume is not None else 0
+            restarts.append({"failed_at_update": err.updates, "resumed_from": step,
+                             "lost_updates": err.updates - step, "error": str(err), "t_fail": t_fail,
+                             "failed_at": time.time()})
+            echo(f"restart {len(restarts)}/{c.fault.max_restarts}: {err}; resuming from update {step} "
+                 f"({latest or 'the start'})")
+
+
+def _boundary(done: int, end: int, *every: int) -> int:
+    """The first update after ``done`` that is a multiple of a non-zero ``every``, or ``end``."""
+    return min([end] + [(done // e + 1) * e for e in every if e])
+
+
+def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbacks: Sequence[Any],
+                  placement_group: Any, bundle_offset: int, store: CheckpointStore, resume: dict[str, Any] | None,
+                  restarts: list[dict[str, Any]], t_start: float) -> dict[str, Any]:
+    c, p, ck = prepared.config, prepared.config.pipeline, prepared.config.checkpoint
+    stages = build_stages(prepared, device=stage_device(c))
+    done, run_s, evals = 0, 0.0, {}
+    if resume is not None:
+        for stage, state in zip(stages, resume["stages"]):
+            stage.load_checkpoint_state(state)
+        done, run_s, evals = resume["step"], float(resume["train_s"]), json.loads(resume["evals"])
+    group, end = p.group, c.train.max_steps
+    schedule_name = METHOD_SCHEDULE[p.method]
+    stream = _microbatches(train_batches(prepared.data.train, c.train.batch_size, c.seed, start=done), group)
+    _keep_metrics(run_dir / "metrics.jsonl", done)
+    segments: list[tuple[float, float]] = []
+    with open(run_dir / "metrics.jsonl", "a") as metrics:
+        try:
+            executor = make_executor(prepared, stages, placement_group, bundle_offset)
+        except Exception as err:
+            _reraise(err, done)
+        with executor:
+            if restarts and "recovery_s" not in restarts[-1]:
+                restarts[-1]["recovery_s"] = time.perf_counter() - restarts[-1].pop("t_fail")
+            progress = _Progress(c, metrics, echo, callbacks)
+            progress.updates, progress.t0 = done, time.perf_counter() - run_s
+            try:  # every executor call: a stage can die in any of them
+                while done < end:
+                    updates = _boundary(done, end, c.train.eval_every, ck.every) - done
+                    schedule = build_schedule(schedule_name, p.stages, updates * group, group=group)
+                    t0, wall0 = time.perf_counter(), time.time()
+                    executor.run(schedule, stream, on_loss=progress.loss)
+                    run_s += time.perf_counter() - t0
+                    segments.append((wall0, time.time()))
+                    done += updates
+                    if prepared.data.val is not None and (done == end or (c.train.eval_every and done % c.train.eval_every == 0)):
+                        weights = executor.state_dict()
+                        notify(callbacks, "on_weights", done, weights)
+                        evals = evaluate(prepared.model, weights, prepared.data.val, c.train.eval_batch_size)
+                        progress.write({"step": done, **evals})
+                        echo(f"eval  {done:>6}  val_loss {evals['val_loss']:.4f}  val_accuracy {evals['val_accuracy']:.4f}")
+                    if done == end or (ck.every and done % ck.every == 0):
+                        store.save(done, {"config": config_json(c), "balance": list(prepared.balance),
+                                          "stages": executor.checkpoint_states(), "train_s": run_s,
+                                          "evals": json.dumps(evals)})
+                progress.flush()
+                state = executor.state_dict()
+                stats = executor.stage_stats()
+                timeline = executor.timeline() if c.trace else None
+            except Exception as err:
+                _reraise(err, progress.updates, store)
     torch.save(state, run_dir / "model.pt")
     # Idle share of stage time while the pipeline ran (evaluations excluded); exact action spans with a trace.
     bubble = 1.0 - report_stages(stats, run_s, echo)
@@ -345,5 +443,32 @@ def _run(prepared: Prepared, stages: list[Stage], run_dir: Path, echo: Callable[
     sent = sum(sum(st["sent_bytes"].values()) for st in stats)
     summary = write_summary(prepared, run_dir, echo, transport=p.transport, updates=done, last_loss=progress.last_loss,
                             evals=evals, train_s=run_s, wall_s=time.perf_counter() - t_start, bubble=bubble,
-                            bytes_per_update=sent / max(done, 1), stats=stats)
+                            bytes_per_update=sent / max(done, 1), stats=stats,
+                            extra={"restarts": restarts, "checkpoint": str(store.latest()),
+                                   "resumed_from": None if prepared.resume is None else prepared.resume["step"]})
     return summary
+
+
+def _reraise(err: Exception, updates: int, store: CheckpointStore | None = None) -> None:
+    """Raise ``StageDied`` for a dead stage actor; a stage's non-finite loss or gradient as ``FloatingPointError``
+    naming the last good checkpoint; anything else as it is."""
+    from rayspec.ray_executor import actor_died, task_cause
+
+    if actor_died(err):
+        raise StageDied(err, updates) from err
+    cause = task_cause(err)
+    if isinstance(cause, FloatingPointError):
+        latest = store.latest() if store is not None else None
+        raise FloatingPointError(
+            f"{cause}; the last good checkpoint is {latest or 'none (set checkpoint.every to write them)'}"
+        ) from None
+    raise err
+
+
+def _keep_metrics(path: Path, step: int) -> None:
+    """Keep only the records of ``metrics.jsonl`` up to update ``step`` (a resumed run rewrites what follows)."""
+    if step == 0 or not path.exists():
+        path.write_text("")
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))

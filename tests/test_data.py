@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import pickle
 import struct
@@ -15,7 +16,7 @@ import torch
 from rayspec.data import DataError, DataInfo, build_data
 from rayspec.data import imdb as imdb_module
 from rayspec.data.cifar10 import MEAN, STD
-from rayspec.data.loader import epoch_batches
+from rayspec.data.loader import epoch_batches, train_batches
 from rayspec.data.text import tokenize
 
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -122,6 +123,21 @@ def test_cifar10_augments_train_only_and_by_seed(tmp_path):
     ]
     assert all(any(torch.equal(d, c) for c in crops) for d in draws)  # each draw: a padded crop, maybe flipped
     torch.testing.assert_close(a.val.tensors[0], normalized(x_test))  # validation: normalization only
+
+
+@pytest.mark.parametrize("subset", [False, True])
+def test_a_resumed_stream_is_the_tail_of_the_full_one(tmp_path, subset):
+    """``train_batches(start=k)`` gives batch k on exactly as a stream from 0 does, augmentation included, across
+    epochs and under a ``Subset`` (``train.train_samples``), however the dataset object was used before."""
+    from torch.utils.data import Subset
+
+    write_cifar(tmp_path, per_batch=6)  # 30 training images
+    train = build_data("cifar10", root=str(tmp_path), seed=1).train
+    data = Subset(train, range(22)) if subset else train
+    full = list(itertools.islice(train_batches(data, 4, seed=2), 17))  # 5 (or 7) batches per epoch: 3+ epochs
+    for start in (0, 3, 7, 12):
+        tail = list(itertools.islice(train_batches(data, 4, seed=2, start=start), 17 - start))
+        assert all(torch.equal(a, b) for x, y in zip(full[start:], tail) for a, b in zip(x, y)), start
 
 
 def test_cifar10_missing_files(tmp_path):

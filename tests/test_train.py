@@ -100,6 +100,16 @@ BAD = [
     (["+trace=yes"], ConfigError, "trace='yes' must be true or false"),
     (["train.train_samples=0"], ConfigError, "train.train_samples=0 must be >= 1"),
     (["logger.name=tensorboard"], ConfigError, "logger='tensorboard' is unknown"),
+    (["data=cifar10"], DataError, "data=cifar10 needs data.root"),
+    (["data=cifar10", "data.root=/nonexistent"], DataError, "not found in /nonexistent/cifar-10-batches-py/"),
+    (["data=imdb"], DataError, "data=imdb needs data.root"),
+    (["data=imdb", "data.root=/nonexistent"], DataError, "imdb: /nonexistent/aclImdb/ not found"),
+    (["checkpoint.every=-1"], ConfigError, "checkpoint.every=-1 must be >= 0"),
+    (["checkpoint.every=often"], ConfigError, "checkpoint.every='often' must be an integer"),
+    (["checkpoint.keep=0"], ConfigError, "checkpoint.keep=0 must be >= 1"),
+    (["checkpoint.resume=/nonexistent/run"], ConfigError, "checkpoint.resume=/nonexistent/run is neither"),
+    (["fault.max_restarts=-2"], ConfigError, "fault.max_restarts=-2 must be >= 0"),
+    (["+checkpoint.evry=5"], ConfigError, "unknown key(s) checkpoint.evry"),
 ]
 if not torch.cuda.is_available():
     BAD.append((["pipeline.transport=nccl"], ConfigError, "pipeline.transport=nccl needs GPUs"))
@@ -110,6 +120,34 @@ def test_bad_input_is_a_clear_error(overrides, error, message):
     with pytest.raises(error) as info:
         prepare(from_mapping(compose_config("model.size=tiny", *overrides)))
     assert message in str(info.value)
+
+
+def test_every_bad_input_fails_before_ray_starts(tmp_path):
+    """The whole table through ``train()`` in one fresh process: each fails with its message and Ray never starts."""
+    cases = [[*o, f"hydra.run.dir={tmp_path / str(i)}"] for i, (o, _, _) in enumerate(BAD)]
+    script = f"""
+import json, sys, ray
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from rayspec.config import from_mapping
+from rayspec.trainer import train
+out = []
+for i, overrides in enumerate(json.loads(sys.argv[1])):
+    try:
+        with initialize_config_dir({CONF!r}, version_base="1.3"):
+            cfg = OmegaConf.to_container(compose("config", overrides=["model.size=tiny", *overrides[:-1]]), resolve=True)
+        train(from_mapping(cfg), overrides[-1].split("=", 1)[1], echo=lambda _: None)
+        out.append(["none", "", ray.is_initialized()])
+    except Exception as err:
+        out.append([type(err).__name__, str(err), ray.is_initialized()])
+print(json.dumps(out))
+"""
+    res = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    for (overrides, error, message), (kind, text, ray_started) in zip(BAD, results):
+        assert (kind, ray_started) == (error.__name__, False), (overrides, kind, text)
+        assert message in text, (overrides, text)
 
 
 def test_cli_reports_bad_input_before_ray_starts(tmp_path):

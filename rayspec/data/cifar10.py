@@ -62,6 +62,10 @@ def _reader_class() -> type:
                 self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
             self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
 
+        def rewind(self, draws: np.ndarray) -> None:
+            """Set how often each sample was drawn so far (``rayspec.data.loader.train_batches`` on resume)."""
+            self._draws = np.asarray(draws, dtype=np.int64).copy()
+
         def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
             x = torch.from_numpy(self.data[index]).permute(2, 0, 1)  # uint8 (3, 32, 32)
             if self.augment:

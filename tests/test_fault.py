@@ -1,0 +1,58 @@
+"""A stage actor whose process is killed mid-run: the driver restarts the stages from the last checkpoint and
+finishes with the planned updates and the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks._common import KillStage, stage_actor_processes
+from rayspec.config import from_mapping
+from rayspec.trainer import train
+
+QUIET = {"echo": lambda _: None}
+
+
+def settings(executor: str = "ray", max_restarts: int = 2) -> dict:
+    return {
+        "model": {"name": "mlp", "size": "tiny"},
+        "data": {"name": "synthetic_image", "train_size": 640, "val_size": 64},
+        "pipeline": {"method": "spectrain", "stages": 4, "executor": executor, "cpus_per_stage": 0.5},
+        "train": {"max_steps": 30, "batch_size": 16, "log_every": 1},
+        "optim": {"lr": 0.05, "weight_decay": 1e-4},
+        "checkpoint": {"every": 5},
+        "fault": {"max_restarts": max_restarts},
+    }
+
+
+def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_session):
+    killer = KillStage(at=12)
+    lines: list[str] = []
+    summary = train(from_mapping(settings()), tmp_path / "ray", echo=lines.append, callbacks=[killer])
+    assert killer.pid is not None and killer.pid not in [p.pid for p in stage_actor_processes()]
+    assert summary["updates"] == 30 and torch.isfinite(torch.tensor(summary["final_train_loss"]))
+    (restart,) = summary["restarts"]
+    assert restart["resumed_from"] in (10, 15) and restart["failed_at_update"] >= 12
+    assert restart["lost_updates"] == restart["failed_at_update"] - restart["resumed_from"]
+    assert restart["recovery_s"] > 0 and "died" in restart["error"]
+    assert any(line.startswith("restart 1/2:") for line in lines)
+    records = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == list(range(1, 31))  # the lost updates' records were replaced, not duplicated
+    # Nothing but time was lost: the weights are those of an uninterrupted run.
+    train(from_mapping(settings("local")), tmp_path / "local", **QUIET)
+    a = torch.load(tmp_path / "ray" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_without_restarts_a_dead_stage_stops_the_run_and_names_the_checkpoint(tmp_path, ray_session):
+    with pytest.raises(RuntimeError) as info:
+        train(from_mapping(settings(max_restarts=0)), tmp_path, callbacks=[KillStage(at=7)], **QUIET)
+    text = str(info.value)
+    assert "a stage actor died after update" in text and "fault.max_restarts=0" in text
+    assert "step_00000005.pt" in text and "checkpoint.resume=auto" in text
+    assert not (tmp_path / "summary.json").exists()
