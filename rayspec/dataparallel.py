@@ -50,6 +50,7 @@ nothing rayspec needs is kept there (no Ray Train checkpoints are written).
 from __future__ import annotations
 
 import io
+import json
 import math
 import threading
 import time
@@ -95,7 +96,8 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
         ConfigError: inside a Tune placement group, or when the workers do not fit the Ray cluster.
         DataParallelError: a worker failed (``FloatingPointError`` when the loss became non-finite).
     """
-    from rayspec.trainer import _Progress, evaluate, report_stages, write_summary
+    from rayspec.checkpoint import CheckpointStore, config_json
+    from rayspec.trainer import _keep_metrics, _Progress, evaluate, report_stages, write_summary
 
     c, p = prepared.config, prepared.config.pipeline
     if placement_group is not None:
@@ -117,7 +119,12 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
     echo(f"dataparallel: {n} Ray Train workers (DDP over {backend}), {c.train.batch_size // n} samples each per "
          f"update, {cpus:g} CPU{f' and {gpus:g} GPU' if gpus else ''} per worker")
     queue = Queue(actor_options={"num_cpus": 0})
-    refs = {"data": ray.put(prepared.data.train), "model": ray.put(prepared.model)}
+    refs = {"data": ray.put(prepared.data.train), "model": ray.put(prepared.model),
+            "resume": None if prepared.resume is None else ray.put(prepared.resume)}
+    start = 0 if prepared.resume is None else prepared.resume["step"]
+    assert prepared.checkpoints is not None  # train() always gives prepare() the run directory
+    store = CheckpointStore(prepared.checkpoints, c.checkpoint.keep)
+    parts: dict[int, dict[int, dict]] = {}  # step -> rank -> that rank's checkpoint piece
     resources = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     trainer = TorchTrainer(
         _worker_loop,
@@ -138,14 +145,17 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
 
     t_start = time.perf_counter()
     thread = threading.Thread(target=fit, name="rayspec-dataparallel-fit", daemon=True)
-    evals: dict[str, float] = {}
+    evals: dict[str, float] = {} if prepared.resume is None else json.loads(prepared.resume["evals"])
+    resumed_s = 0.0 if prepared.resume is None else float(prepared.resume["train_s"])
     errors: list[tuple[int, str, str]] = []
     stats: dict[int, dict] = {}
     final: dict[str, torch.Tensor] | None = None
     t_ready: float | None = None
     t_end: float | None = None
-    with open(run_dir / "metrics.jsonl", "w") as metrics:
+    _keep_metrics(run_dir / "metrics.jsonl", start)
+    with open(run_dir / "metrics.jsonl", "a") as metrics:
         progress = _Progress(c, metrics, echo, callbacks)
+        progress.updates = start
         thread.start()
         try:
             for msg in _messages(queue, thread):
@@ -164,6 +174,15 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
                         progress.write({"step": step, **evals})
                         echo(f"eval  {step:>6}  val_loss {evals['val_loss']:.4f}  "
                              f"val_accuracy {evals['val_accuracy']:.4f}")
+                elif kind == "checkpoint":  # every rank's piece of one step; written once all are in
+                    step, rank = msg[1], msg[2]
+                    parts.setdefault(step, {})[rank] = torch.load(io.BytesIO(msg[3]), weights_only=True)
+                    if len(parts[step]) == n:
+                        pieces = parts.pop(step)
+                        elapsed = resumed_s + time.perf_counter() - (t_ready or t_start)
+                        store.save(step, {"config": config_json(c), "balance": list(prepared.balance),
+                                          "stages": [pieces[r] for r in range(n)], "train_s": elapsed,
+                                          "evals": json.dumps(evals)})
                 elif kind == "stats":
                     stats[msg[1]] = msg[2]
                 elif kind == "error":
@@ -179,7 +198,7 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
         if final is None:
             raise DataParallelError("the Ray Train run ended without rank 0's final weights; see the worker logs")
         progress.flush()
-    train_s = (t_end or time.perf_counter()) - (t_ready or t_start)
+    train_s = resumed_s + (t_end or time.perf_counter()) - (t_ready or t_start)
     done = c.train.max_steps
     torch.save(final, run_dir / "model.pt")
     stage_stats = [stats[r] for r in sorted(stats)]
@@ -188,7 +207,9 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
     allreduced = stage_stats[0]["sent_bytes"]["allreduce"] / max(done, 1) if stage_stats else 0.0
     summary = write_summary(prepared, run_dir, echo, transport=backend, updates=done, last_loss=progress.last_loss,
                             evals=evals, train_s=train_s, wall_s=time.perf_counter() - t_start, bubble=bubble,
-                            bytes_per_update=allreduced, stats=stage_stats)
+                            bytes_per_update=allreduced, stats=stage_stats,
+                            extra={"restarts": [], "checkpoint": str(store.latest()),
+                                   "resumed_from": None if prepared.resume is None else start})
     return summary
 
 
@@ -271,16 +292,24 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
         stage = Stage(replica, 0, 1, policy="none", lr=lr_schedule(c), momentum=o.momentum,
                       weight_decay=o.weight_decay, dampening=o.dampening, nesterov=o.nesterov, group=1,
                       backward="mixed", device=device, seed=c.seed + 1_000_003 * rank)
+        start = 0
+        if loop_config["resume"] is not None:  # the replicas' weights and momentum from rank 0, each rank's own stream
+            resume = ray.get(loop_config["resume"])
+            own = resume["stages"][rank]
+            stage.load_checkpoint_state({**resume["stages"][0], "rng": own["rng"], "stats": own["stats"]})
+            start = resume["step"]
         if rank == 0:
             queue.put(("ready",))
-        batches = train_batches(dataset, t.batch_size, c.seed)
+        batches = train_batches(dataset, t.batch_size, c.seed, start=start)
         window: list[torch.Tensor] = []
-        for step in range(1, t.max_steps + 1):
+        every = c.checkpoint.every
+        for step in range(start + 1, t.max_steps + 1):
             x, y = next(batches)
             window.append(stage.forward(step - 1, x.chunk(world)[rank], y.chunk(world)[rank]))
             stage.backward(step - 1, update=True)
             evaluating = bool(t.eval_every) and step % t.eval_every == 0 and step < t.max_steps
-            if step % t.log_every and not evaluating and step < t.max_steps:
+            checkpointing = bool(every) and step % every == 0
+            if step % t.log_every and not evaluating and not checkpointing and step < t.max_steps:
                 continue
             losses = torch.stack(window).double()  # (updates in the window,)
             window = []
@@ -294,6 +323,11 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
                 queue.put(("losses", values))
                 if evaluating and loop_config["has_val"]:
                     queue.put(("eval", step, _cpu_state(model)))
+            if (every and step % every == 0) or step == t.max_steps:  # rank 0: the replica; every rank: its stream
+                piece = stage.checkpoint_state()
+                if rank:
+                    piece = {"version": piece["version"], "rng": piece["rng"], "stats": piece["stats"]}
+                queue.put(("checkpoint", step, rank, _to_bytes(piece)))
         st = stats_of(stage)
         st["stage"] = rank
         st["sent_bytes"] = {"allreduce": allreduced[0]}  # the one-stage replica hands nothing to other stages
@@ -330,6 +364,12 @@ def _count_allreduce(replica: nn.Module) -> list[int]:
 
     replica.register_comm_hook(None, hook)  # state None: the default process group, as DDP uses
     return total
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def _cpu_state(model: nn.Module) -> bytes:

@@ -184,3 +184,25 @@ def test_a_tune_placement_group_is_refused_before_ray_train_starts(tmp_path):
         train(dataparallel_config("pipeline.stages=2"), tmp_path, echo=lambda _: None, callbacks=[Recorder()],
               placement_group=object())
     assert ended == [None]
+
+
+def test_an_interrupted_dataparallel_run_resumes_like_sgd(tmp_path, ray_session):
+    """Stopped by a failure after update 12 (checkpoint at 10), resumed with checkpoint.resume=auto: the weights and
+    the logged losses are still those of single-process SGD over all 24 updates, and no record is written twice."""
+
+    class StopAfter:
+        def on_metrics(self, record):
+            if "loss" in record and record["step"] >= 12:
+                raise KeyboardInterrupt
+
+    overrides = ("pipeline.stages=2", "train.max_steps=24", "train.batch_size=64", "train.log_every=2",
+                 "checkpoint.every=5", *SCHEDULED)
+    with pytest.raises(KeyboardInterrupt):
+        train(dataparallel_config(*overrides), tmp_path, echo=lambda _: None, callbacks=[StopAfter()])
+    assert (tmp_path / "checkpoints" / "step_00000010.pt").exists()
+    config = dataparallel_config(*overrides, "checkpoint.resume=auto")
+    summary = train(config, tmp_path, echo=lambda _: None)
+    assert summary["resumed_from"] == 10 and summary["updates"] == 24
+    assert_like_sgd(tmp_path, config)
+    steps = [r["step"] for r in read_records(tmp_path) if "loss" in r]
+    assert steps == list(range(2, 25, 2))
