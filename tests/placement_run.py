@@ -1,7 +1,8 @@
 """Train one small config on a multi-node Ray cluster with each ``pipeline.placement``; print what ran where.
 
-``python tests/placement_run.py OUT_DIR`` starts its own Ray nodes on this machine
-(``ray.cluster_utils.Cluster``: a head without CPUs and three 3-CPU worker nodes), trains the
+``python tests/placement_run.py OUT_DIR TEMP_DIR`` starts its own Ray nodes on this machine
+(``ray.cluster_utils.Cluster``: a head without CPUs and three 3-CPU worker nodes, their files
+under ``TEMP_DIR``, which must be a short path: Ray's sockets live there), trains the
 same 3-stage run with ``pipeline.placement=spread``, with ``pack`` and with the local executor
 into ``OUT_DIR/<name>/``, and prints one JSON line: the worker node ids, the node of each stage
 actor per placement, and each run's final loss. ``tests/test_cluster.py`` runs it in a process
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,7 @@ OVERRIDES = ["debug=smoke", "pipeline.stages=3", "pipeline.cpus_per_stage=1", "t
 NODE = {"object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
 
 
-def main(out_dir: Path) -> None:
-    temp = tempfile.mkdtemp(prefix="rs-nodes-")
+def main(out_dir: Path, temp: str) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp, **NODE})
     try:
         workers = [cluster.add_node(num_cpus=3, temp_dir=temp, **NODE).node_id for _ in range(WORKERS)]
@@ -66,4 +65,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2])

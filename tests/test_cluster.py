@@ -67,24 +67,30 @@ def _free_range(size: int = 200) -> tuple[int, int]:
     raise RuntimeError(f"found no {size} consecutive free ports")
 
 
-def _group(pgid: int) -> list[str]:
-    """``pid args`` of every live process in process group ``pgid``."""
+def _processes(pgid: int, temp: Path) -> list[str]:
+    """``pid args`` of every live process in process group ``pgid`` or with ``temp`` in its arguments
+    (Ray's processes name their session directory)."""
     out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat=,args="], capture_output=True, text=True).stdout
     rows = [line.split(None, 3) for line in out.splitlines()]
-    return [f"{r[0]} {r[3] if len(r) > 3 else ''}"[:160] for r in rows
-            if len(r) >= 3 and r[1] == str(pgid) and not r[2].startswith("Z")]
+    return [f"{r[0]} {r[3]}"[:160] for r in rows if len(r) == 4 and not r[2].startswith("Z")
+            and (r[1] == str(pgid) or str(temp) in r[3])]
 
 
-def _stop_group(proc: subprocess.Popen, timeout: float = 60.0) -> list[str]:
+def _stop_group(proc: subprocess.Popen, temp: Path, timeout: float = 60.0) -> list[str]:
     """SIGTERM the group's leader (``ray start --block`` then stops its Ray processes), wait for the whole
-    group to go, SIGKILL what is left; returns what was still running when the wait ended."""
+    group and every process under ``temp`` to go, SIGKILL what is left; returns what was still running
+    when the wait ended."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while (left := _group(proc.pid)) and time.monotonic() < deadline:
+    while (left := _processes(proc.pid, temp)) and time.monotonic() < deadline:
         time.sleep(0.5)
     if left:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for line in left:
+            try:
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     proc.wait(timeout=30)
     return left
 
@@ -160,7 +166,7 @@ class RayHead:
         return "\n".join(parts)
 
     def stop(self) -> list[str]:
-        left = _stop_group(self.proc) if self.proc is not None else []
+        left = _stop_group(self.proc, self.temp) if self.proc is not None else []
         shutil.rmtree(self.temp, ignore_errors=True)
         return left
 
@@ -182,8 +188,12 @@ def _submit(head: RayHead, submission_id: str, overrides: list[str], timeout: fl
     env = {**head.env, "SUBMIT_OPTIONS": f"--submission-id {submission_id}"}
     t0 = time.monotonic()
     while True:
-        res = subprocess.run([str(CLUSTER / "submit.sh"), head.address, *overrides], env=env, capture_output=True,
-                             text=True, timeout=600, cwd=ROOT)
+        try:
+            res = subprocess.run([str(CLUSTER / "submit.sh"), head.address, *overrides], env=env,
+                                 capture_output=True, text=True, timeout=600, cwd=ROOT)
+        except subprocess.TimeoutExpired as err:
+            logs = head.ray("job", "logs", submission_id, "--address", head.address)
+            pytest.fail(f"the job did not end within 600 s:\n{err.stdout!r:.3000}\njob logs:\n{logs.stdout[-4000:]}")
         if res.returncode == 0 or "No available agent" not in res.stdout + res.stderr:
             return res, time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
@@ -231,20 +241,24 @@ def test_job_submit_to_a_ray_start_head(head, tmp_path):
 def test_spread_puts_each_stage_on_its_own_node_with_the_same_numbers(tmp_path):
     """Several Ray nodes on this machine: ``placement=spread`` puts each stage actor on its own node, ``pack``
     keeps them on one node, and both give the local executor's final weights and loss."""
-    token = tmp_path / "auth_token"
+    temp = Path(tempfile.mkdtemp(prefix="rs-nodes-"))  # short: Ray's socket paths live under it
+    token = temp / "auth_token"
     token.write_text(secrets.token_hex(32))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("placement_run.py")), str(tmp_path)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)
+    script = Path(__file__).with_name("placement_run.py")
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(temp)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        _stop_group(proc, timeout=10)
-        out, err = proc.communicate()
-        pytest.fail(f"the multi-node run did not end within 400 s:\n{err[-4000:]}")
-    left = _stop_group(proc, timeout=30)
+        try:
+            out, err = proc.communicate(timeout=400)
+        except subprocess.TimeoutExpired:
+            _stop_group(proc, temp, timeout=10)
+            out, err = proc.communicate()
+            pytest.fail(f"the multi-node run did not end within 400 s:\n{err[-4000:]}")
+        left = _stop_group(proc, temp, timeout=30)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     assert proc.returncode == 0, err[-4000:]
     assert not left, f"still running after the multi-node run: {left}"
     result = json.loads(out.strip().splitlines()[-1])
