@@ -23,7 +23,7 @@ USER_ERRORS = (ConfigError, DataError, ModelError, PartitionError, ScheduleError
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from rayspec.loggers import build_callbacks
-    from rayspec.trainer import train
+    from rayspec.trainer import RunFailed, train
 
     try:
         config = from_mapping(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
@@ -32,6 +32,9 @@ def main(cfg: DictConfig) -> None:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except (FloatingPointError, RunFailed) as err:  # diverged, or a failure beyond fault.max_restarts
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from rayspec.schedule import METHOD_SCHEDULE, build_schedule
 from rayspec.stage import METHOD_POLICY, Stage
 from rayspec.trace import bubble_fraction, write_chrome_trace, write_gantt
 
-__all__ = ["Prepared", "prepare", "build_stages", "train"]
+__all__ = ["Prepared", "prepare", "build_stages", "train", "RunFailed"]
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +334,10 @@ def write_summary(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     return summary
 
 
+class RunFailed(RuntimeError):
+    """A run stopped by a failure it could not recover from (``fault.max_restarts`` used up)."""
+
+
 class StageDied(RuntimeError):
     """A stage actor died during a run (its process was killed, its node was lost) after ``updates`` updates."""
 
@@ -363,7 +367,7 @@ def _run(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbac
         except StageDied as err:
             t_fail = time.perf_counter()
             if len(restarts) >= c.fault.max_restarts:
-                raise RuntimeError(
+                raise RunFailed(
                     f"{err}; stopping after {len(restarts)} restart(s) (fault.max_restarts={c.fault.max_restarts}); "
                     f"the last checkpoint is {store.latest() or 'none'}: rerun with checkpoint.resume=auto"
                 ) from err.__cause__

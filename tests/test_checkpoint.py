@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -183,3 +185,16 @@ def test_non_finite_gradient_names_the_parameter_update_and_stage():
     stage.forward(0, torch.randn(2, 4), torch.tensor([0, 1]))
     with pytest.raises(FloatingPointError, match=r"gradient of 0.weight is not finite at update 1 on stage 1"):
         stage.backward(0, update=True)
+
+
+def test_cli_reports_divergence_in_one_line(tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "rayspec.train", "pipeline.executor=local", "model.size=tiny", "optim.lr=40",
+         "train.max_steps=40", "checkpoint.every=2", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: the (loss of micro-batch \d+ is \S+|gradient of \S+ is not finite) at update \d+ "
+                    r"on stage \d", last), last
+    assert "Traceback" not in res.stderr and str(tmp_path / "checkpoints" / "step_") in last

@@ -10,7 +10,7 @@ import torch
 
 from benchmarks._common import KillStage, stage_actor_processes
 from rayspec.config import from_mapping
-from rayspec.trainer import train
+from rayspec.trainer import RunFailed, train
 
 QUIET = {"echo": lambda _: None}
 
@@ -50,7 +50,7 @@ def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_
 
 
 def test_without_restarts_a_dead_stage_stops_the_run_and_names_the_checkpoint(tmp_path, ray_session):
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(RunFailed) as info:
         train(from_mapping(settings(max_restarts=0)), tmp_path, callbacks=[KillStage(at=7)], **QUIET)
     text = str(info.value)
     assert "a stage actor died after update" in text and "fault.max_restarts=0" in text
