@@ -1,0 +1,83 @@
+"""The learning rate of each shipped accuracy study: its sequential baseline over a grid of learning rates.
+
+    python -m benchmarks.study_lr [--studies lstm_text,transformer_text,vgg16_image,snn_image]
+                                  [--lrs 0.003,0.01,0.03,0.1,0.3,1.0] [--seed 0] [--quick]
+
+Each study's baseline (``vanilla`` on one stage, i.e. sequential SGD, with every other setting of the
+study: model, data, steps, momentum 0.9 and the poly schedule) trains once per learning rate on one
+seed. No pipelined method runs here, so the choice cannot favour one.
+
+The rule, fixed before the studies ran: take the **largest** learning rate whose final validation
+accuracy is within ``--tolerance`` (1 point) of the best in the grid and whose run did not diverge. The
+paper's regime is a large learning rate, where staleness matters; a smaller one would hide the
+methods' differences, a larger one costs the baseline accuracy. The table and the chosen rate per
+study go to ``benchmarks/results/study_lr.json``; the chosen rate is then written into
+``conf/study/NAME.yaml`` by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from benchmarks._common import write
+from rayspec.study import BASELINE, RunSpec, load_study, train_run
+
+STUDIES = ("lstm_text", "transformer_text", "vgg16_image", "snn_image")
+LRS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+def choose(rows: list[dict], tolerance: float) -> float | None:
+    """The largest learning rate within ``tolerance`` of the best final accuracy, among runs that finished."""
+    ok = [r for r in rows if r["status"] == "ok" and r["val_accuracy"] is not None]
+    if not ok:
+        return None
+    best = max(r["val_accuracy"] for r in ok)
+    return max(r["lr"] for r in ok if r["val_accuracy"] >= best - tolerance)
+
+
+def sweep(name: str, lrs: list[float], seed: int, out: Path, extra: list[str]) -> list[dict]:
+    rows = []
+    for lr in lrs:
+        study = load_study(name, [f"optim.lr={lr}", *extra], seeds=[seed])
+        spec = RunSpec(BASELINE, 1, seed, None)
+        spec.overrides = [*study.overrides, *spec.owned]
+        record = train_run(study, spec, out / name / f"lr{lr}", None)
+        f = record["final"]
+        losses = [v for _, v in record["curves"]["loss"]]
+        rows.append({"lr": lr, "status": record["status"], "val_accuracy": f["val_accuracy"],
+                     "val_loss": f["val_loss"], "train_loss": f["train_loss"] if record["status"] == "ok" else None,
+                     "first_train_loss": losses[0] if losses else None, "seconds": round(record["seconds"], 1)})
+        acc = "-" if f["val_accuracy"] is None else f"{100 * f['val_accuracy']:.2f}"
+        print(f"{name:<17} lr {lr:<6} {record['status']:<9} val acc {acc:>6} %  val loss "
+              f"{f['val_loss'] if f['val_loss'] is None else round(f['val_loss'], 4)}  ({record['seconds']:.0f} s)",
+              flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--studies", default=",".join(STUDIES))
+    ap.add_argument("--lrs", default=",".join(str(x) for x in LRS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tolerance", type=float, default=0.01, help="accuracy (fraction) below the best still accepted")
+    ap.add_argument("--out", default="outputs/study_lr", help="where the runs' directories go")
+    ap.add_argument("--quick", action="store_true", help="20 updates per run (a smoke test of this script)")
+    args = ap.parse_args()
+    lrs = [float(x) for x in args.lrs.split(",")]
+    extra = ["train.max_steps=20", "train.eval_every=10", "train.log_every=10"] if args.quick else []
+    results, t0 = {}, time.perf_counter()
+    for name in args.studies.split(","):
+        rows = sweep(name, lrs, args.seed, Path(args.out), extra)
+        results[name] = {"rows": rows, "chosen_lr": choose(rows, args.tolerance)}
+        print(f"{name}: chosen lr {results[name]['chosen_lr']}", flush=True)
+    if not args.quick:
+        path = write("study_lr", {"seed": args.seed, "tolerance": args.tolerance, "lrs": lrs, "studies": results,
+                                  "rule": "largest lr within tolerance of the best final val accuracy, not diverged",
+                                  "seconds": round(time.perf_counter() - t0)})
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Accuracy studies: a tiny study end to end through the CLI (table, JSON, plots, resume), divergence, bad studies."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayspec.study import BASELINE, DEFAULT_METHODS, StudyError, available, load_study, main, plan_runs, run_study
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model=mlp", "model.size=tiny", "data.train_size=512", "data.val_size=128", "data.noise=1.0",
+    "train.max_steps=8", "train.batch_size=32", "train.eval_every=4", "train.log_every=2",
+    "optim.lr=0.1", "optim.schedule=poly",
+]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_study(path: Path, **settings) -> Path:
+    path.write_text(yaml.safe_dump({"overrides": TINY, "stages": [2, 4], "seeds": [0], **settings}))
+    return path
+
+
+def finite_numbers(value) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(finite_numbers(v) for v in value.values())
+    if isinstance(value, list):
+        return all(finite_numbers(v) for v in value)
+    return True
+
+
+def study_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rayspec.study", *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+
+
+def test_tiny_study_end_to_end(tmp_path, capsys):
+    """Every method at 2 and 4 stages through the real entry point; then the same command resumes and skips all."""
+    study, out = write_study(tmp_path / "tiny.yaml"), tmp_path / "out"
+    res = study_cli(f"study={study}", f"output_dir={out}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = 1 + 2 * len(DEFAULT_METHODS)  # one baseline, every method at N = 2 and 4
+    assert f"[1/{runs}] {BASELINE} N=1 seed 0" in res.stdout and f"[{runs}/{runs}] gpipe N=4 seed 0" in res.stdout
+    assert "eta" in res.stdout and "bit-exactly sequential SGD" in res.stdout
+
+    table = (out / "study.md").read_text()
+    assert table in res.stdout  # printed at the end
+    for label in [BASELINE, *DEFAULT_METHODS]:
+        assert f"| `{label}` |" in table
+    assert "val acc % N=2" in table and "val loss N=4" in table and "SEQ2" in table and "STv1_4" in table
+
+    results = json.loads((out / "study_results.json").read_text())
+    assert {"study", "settings", "baseline", "table", "runs"} <= set(results)
+    assert finite_numbers(results)
+    names = sorted(r["name"] for r in results["runs"])
+    expected = [f"{BASELINE}-n1-seed0"] + [f"{m}-n{n}-seed0" for m in DEFAULT_METHODS for n in (2, 4)]
+    assert names == sorted(expected)
+    by = {r["name"]: r for r in results["runs"]}
+    for r in results["runs"]:
+        assert r["status"] == "ok", r
+        assert [row[0] for row in r["curves"]["val"]] == [4, 8]
+        assert 0 <= r["final"]["val_accuracy"] <= 1 and r["final"]["val_loss"] > 0
+        assert [row[0] for row in r["curves"]["loss"]] == [2, 4, 6, 8]
+        if r["reference"] is not None:
+            assert r["reference"] == f"{BASELINE}-n1-seed0" and len(r["curves"]["distance"]) == 2
+    # gpipe is SGD on the same batch (float summation order aside); stale 1F1B is not
+    assert by["gpipe-n4-seed0"]["final"]["distance"] < 1e-5
+    assert by["async-n4-seed0"]["final"]["distance"] > 100 * by["gpipe-n4-seed0"]["final"]["distance"]
+    cells = {(c["label"], c["stages"]): c for c in results["table"]}
+    assert len(cells) == len(results["table"]) == 2 * (1 + len(DEFAULT_METHODS))
+    assert cells[BASELINE, 2]["val_accuracy"] == cells[BASELINE, 4]["val_accuracy"] == \
+        by[f"{BASELINE}-n1-seed0"]["final"]["val_accuracy"]
+    assert cells["async", 4]["ok"] == 1 and cells["async", 4]["val_accuracy"] == by["async-n4-seed0"]["final"]["val_accuracy"]
+
+    import matplotlib.image
+
+    for name in ("learning_curves.png", "distance.png"):
+        assert (out / name).read_bytes()[:8] == PNG, name
+        height, width, _ = matplotlib.image.imread(out / name).shape
+        assert width > 500 and height > 300
+
+    # the same command again (the function the entry point calls) trains nothing and reports the same table
+    (out / "study_results.json").unlink()
+    assert main([f"study={study}", f"output_dir={out}"]) == 0
+    again = capsys.readouterr().out
+    assert again.count("(finished earlier, skipped)") == runs and "eta" not in again
+    assert json.loads((out / "study_results.json").read_text())["table"] == results["table"]
+
+
+def test_a_diverged_run_is_recorded_and_the_study_goes_on(tmp_path):
+    study = load_study(str(write_study(tmp_path / "hot.yaml")), ["optim.lr=1e6"], methods=["async"], stages=[2],
+                       output_dir=str(tmp_path / "out"))
+    lines: list[str] = []
+    payload = run_study(study, echo=lines.append)
+    assert [r["status"] for r in payload["runs"]] == ["diverged", "diverged"]
+    assert any("DIVERGED" in line for line in lines)
+    assert "| `async` | diverged | diverged |" in payload["markdown"]
+    assert finite_numbers(json.loads((tmp_path / "out" / "study_results.json").read_text()))
+
+
+def test_dropout_gives_one_baseline_per_stage_count(tmp_path):
+    text = ["model=transformer", "model.size=tiny", "data=synthetic_text", "data.train_size=64", "data.val_size=32",
+            "data.seq_len=16", "train.max_steps=12", "train.batch_size=16", "train.eval_every=4"]
+    path = tmp_path / "drop.yaml"
+    path.write_text(yaml.safe_dump({"overrides": text, "stages": [2, 4], "seeds": [0]}))
+    overrides: list[str] = []
+    study = load_study(str(path), overrides, methods=["spectrain-paper"])
+    assert study.per_stage_baseline  # the transformer has dropout 0.1
+    runs = {r.name: r for r in plan_runs(study)}
+    assert set(runs) == {f"{BASELINE}-n2-seed0", f"{BASELINE}-n4-seed0", "spectrain-paper-n2-seed0",
+                         "spectrain-paper-n4-seed0"}
+    assert runs["spectrain-paper-n4-seed0"].reference == f"{BASELINE}-n4-seed0"
+    assert not load_study(str(path), [*overrides, "+model.dropout=0.0"]).per_stage_baseline
+
+
+@pytest.mark.parametrize("settings, overrides, message", [
+    ({"method": ["async"]}, [], "unknown key 'method'; did you mean methods?"),
+    ({"methods": ["spectrain"]}, [], "method 'spectrain' is unknown; did you mean spectrain-paper?"),
+    ({"stages": [2, 9]}, [], "pipeline.stages=9 but the model has 7 blocks"),
+    ({}, ["train.eval_every=0"], "train.eval_every=0 gives no evaluations"),
+    ({}, ["pipeline.stages=2"], "give methods=, stages= or seeds="),
+    ({"seeds": []}, [], "seeds=[] must be a non-empty list"),
+])
+def test_bad_studies_stop_before_training(tmp_path, settings, overrides, message):
+    with pytest.raises(StudyError, match=message.replace("[", r"\[").replace("]", r"\]").replace("?", r"\?")):
+        load_study(str(write_study(tmp_path / "bad.yaml", **settings)), overrides)
+
+
+def test_cli_errors_exit_2(capsys):
+    assert main(["study=no_such_study"]) == 2
+    assert "not found; available studies" in capsys.readouterr().err
+    assert main(["study=lstm_text", "resume=maybe"]) == 2
+    assert "resume='maybe' must be true or false" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_shipped_study_loads(name):
+    study = load_study(name)
+    assert study.stages == [2, 4] and len(study.seeds) >= 3
+    assert set(DEFAULT_METHODS) <= set(study.methods)
