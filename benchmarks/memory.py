@@ -23,10 +23,9 @@ Expected, in copies of the stage's weights ``W_k`` (read off ``rayspec/stage.py`
   The stash holds the current version too, so steady-state backwards restore from it and need
   no scratch; only the drain (where the current version is no longer stashed) allocates the
   scratch, when the stash has already shrunk, so the peak stays ``2 + N - k``.
-* ``pipedream``, later segments: the scratch allocated in the first drain is never freed, so
-  from the second segment on stage ``k < N - 1`` peaks at ``3 + N - k``; the last stage (one
-  version in flight, its backward always at the current version) stays at 3. Training with
-  ``train.eval_every`` runs many segments, so this is the steady state of a real run.
+* ``pipedream``, later segments: the same; the drain's scratch is freed once the stage has no
+  micro-batch in flight, so every segment (every ``train.eval_every`` or ``checkpoint.every``)
+  peaks at ``2 + N - k`` again.
 """
 
 from __future__ import annotations
@@ -93,13 +92,13 @@ def expected_copies(method: str, n: int, k: int, *, later: bool, predicts: bool 
         method: ``pipedream`` or ``spectrain``.
         n: stages.
         k: the stage.
-        later: after a second segment (pipedream keeps the scratch of the first drain).
+        later: after a second segment (the same count: a drained stage frees its scratch).
         predicts: spectrain only: whether the stage has an action with ``s > 0``.
     """
     if method == "spectrain":
         return 2 + int(predicts)
     if method == "pipedream":
-        return 2 + (n - k) + int(later and k < n - 1)
+        return 2 + (n - k)
     raise ValueError(f"method={method!r}: expected copies are known for {', '.join(METHODS)}")
 
 

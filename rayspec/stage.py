@@ -223,6 +223,8 @@ class Stage:
             )
         if self.policy == "stash":
             self._release(job.version)
+            if not self.inflight:  # drained: the scratch that the drain's backwards needed is not needed again
+                self.scratch = None
         self.pending += 1
         if update:
             self.step()
