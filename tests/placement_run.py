@@ -1,10 +1,10 @@
 """Train one small config on a multi-node Ray cluster with each ``pipeline.placement``; print what ran where.
 
 ``python tests/placement_run.py OUT_DIR TEMP_DIR`` starts its own Ray nodes on this machine
-(``ray.cluster_utils.Cluster``: a head without CPUs and three 3-CPU worker nodes, their files
-under ``TEMP_DIR``, which must be a short path: Ray's sockets live there), trains the
+(``ray.cluster_utils.Cluster``: a head and two worker nodes of 3 CPUs each, their files under
+``TEMP_DIR``, which must be a short path: Ray's sockets live there), trains the
 same 3-stage run with ``pipeline.placement=spread``, with ``pack`` and with the local executor
-into ``OUT_DIR/<name>/``, and prints one JSON line: the worker node ids, the node of each stage
+into ``OUT_DIR/<name>/``, and prints one JSON line: the node ids, the node of each stage
 actor per placement, and each run's final loss. ``tests/test_cluster.py`` runs it in a process
 of its own, apart from the test session's Ray.
 """
@@ -30,16 +30,17 @@ from rayspec.tune import compose
 ray._private.utils.write_ray_address = lambda *args, **kwargs: None
 ray._common.utils.reset_ray_address = lambda *args, **kwargs: None
 
-WORKERS = 3
+NODES = 3
 OVERRIDES = ["debug=smoke", "pipeline.stages=3", "pipeline.cpus_per_stage=1", "train.max_steps=6",
              "ray.log_to_driver=false"]
 NODE = {"object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
 
 
 def main(out_dir: Path, temp: str) -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp, **NODE})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "temp_dir": temp, **NODE})
     try:
-        workers = [cluster.add_node(num_cpus=3, temp_dir=temp, **NODE).node_id for _ in range(WORKERS)]
+        nodes = [cluster.head_node.node_id]
+        nodes += [cluster.add_node(wait=False, num_cpus=3, temp_dir=temp, **NODE).node_id for _ in range(NODES - 1)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         placed: dict[str, list[str]] = {}
@@ -58,7 +59,7 @@ def main(out_dir: Path, temp: str) -> None:
             config = from_mapping(compose(OVERRIDES + extra))
             summary = trainer.train(config, out_dir / name, echo=lambda line: None)
             losses[name] = summary["final_train_loss"]
-        print(json.dumps({"head": cluster.head_node.node_id, "workers": workers, "placed": placed, "loss": losses}))
+        print(json.dumps({"nodes": nodes, "placed": placed, "loss": losses}))
     finally:
         ray.shutdown()
         cluster.shutdown()
