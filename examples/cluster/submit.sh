@@ -10,9 +10,9 @@
 # dependencies installed. Point hydra.run.dir (and data.root) at storage that outlives the job.
 # The exit status is the job's: 0 only when it succeeded.
 #
-# Environment: RAY (the ray command, default `ray`), RAY_AUTH_MODE (default token: the token is
-# read from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; it is ignored by clusters
-# started with RAY_AUTH_MODE=disabled), SUBMIT_OPTIONS (more `ray job submit` options, e.g.
+# Environment: RAY (the ray command, default `ray`), RAY_AUTH_MODE (default: token when a token
+# is at hand in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; a cluster started with
+# RAY_AUTH_MODE=disabled ignores it), SUBMIT_OPTIONS (more `ray job submit` options, e.g.
 # "--submission-id lstm-1 --entrypoint-num-cpus 1").
 set -euo pipefail
 
@@ -23,7 +23,10 @@ fi
 address=$1
 shift
 root=$(cd "$(dirname "$0")/../.." && pwd)
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+if [ -z "${RAY_AUTH_MODE:-}" ] && { [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -n "${RAY_AUTH_TOKEN_PATH:-}" ] ||
+    [ -f "$HOME/.ray/auth_token" ]; }; then
+    export RAY_AUTH_MODE=token  # a client sends its token only in token mode
+fi
 # shellcheck disable=SC2086  # SUBMIT_OPTIONS is a list of words
 exec "${RAY:-ray}" job submit --address "$address" --working-dir "$root" ${SUBMIT_OPTIONS:-} -- \
     python -m rayspec.train "$@"
