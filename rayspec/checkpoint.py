@@ -50,6 +50,8 @@ class CheckpointStore:
     def __init__(self, folder: str | os.PathLike, keep: int = 3) -> None:
         self.folder = Path(folder)
         self.keep = keep
+        self.last_saved: Path | None = None
+        """The newest checkpoint this store wrote (a run's own, whatever else the folder holds)."""
 
     def paths(self) -> list[Path]:
         """Complete checkpoints, oldest first (temporary files of an interrupted write are ignored)."""
@@ -76,6 +78,7 @@ class CheckpointStore:
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_dir(self.folder)
+        self.last_saved = path
         for old in self.paths()[: -self.keep]:
             old.unlink(missing_ok=True)
         return path

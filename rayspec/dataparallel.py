@@ -208,7 +208,7 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
     summary = write_summary(prepared, run_dir, echo, transport=backend, updates=done, last_loss=progress.last_loss,
                             evals=evals, train_s=train_s, wall_s=time.perf_counter() - t_start, bubble=bubble,
                             bytes_per_update=allreduced, stats=stage_stats,
-                            extra={"restarts": [], "checkpoint": str(store.latest()),
+                            extra={"restarts": [], "checkpoint": str(store.last_saved or prepared.resume_path),
                                    "resumed_from": None if prepared.resume is None else start})
     return summary
 

@@ -199,24 +199,54 @@ class RayExecutor(Executor):
             ray.get(placement_group.ready())
             bundle_offset = 0
         self.pg = placement_group
-        env = {"env_vars": dict(_ZERO_COPY)} if self.transport == "object_store" else None
-        self.actors = [
-            StageActor.options(  # type: ignore[attr-defined]
-                num_cpus=cpus_per_stage,
-                num_gpus=gpus_per_stage,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=bundle_offset + k
-                ),
-                runtime_env=env,
-            ).remote(stage, max(1, int(cpus_per_stage)))
-            for k, stage in enumerate(stages)
-        ]
+        self._resources = (cpus_per_stage, gpus_per_stage, bundle_offset)
+        self.actors = [self._spawn(k, stage) for k, stage in enumerate(stages)]
         ray.get([a.stats.remote() for a in self.actors])  # wait until every actor is up
         self._rdt = self.transport in ("gloo", "nccl") and self.num_stages > 1
         if self._rdt:
             from ray.experimental.collective import create_collective_group
 
             create_collective_group(self.actors, backend=self.transport)
+
+    def _spawn(self, k: int, stage: Stage) -> Any:
+        """A stage actor for stage ``k`` in its bundle."""
+        cpus, gpus, offset = self._resources
+        env = {"env_vars": dict(_ZERO_COPY)} if self.transport == "object_store" else None
+        return StageActor.options(  # type: ignore[attr-defined]
+            num_cpus=cpus,
+            num_gpus=gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                                 placement_group_bundle_index=offset + k),
+            runtime_env=env,
+        ).remote(stage, max(1, int(cpus)))
+
+    def revive(self, stages: Sequence[Stage], timeout_s: float = 120.0) -> list[int]:
+        """After a stage actor died: start new actors for the dead stages (in their bundles), load ``stages``
+        into every actor, and return the stages replaced. Live actors are kept (no new processes).
+
+        Raises:
+            RuntimeError: with a Ray Direct Transport (``gloo``/``nccl``), whose collective group cannot be
+                rebuilt around a dead member; close this executor and create a new one instead.
+        """
+        if self._rdt:
+            raise RuntimeError(f"transport={self.transport}: a collective group cannot be revived; recreate the executor")
+        if len(stages) != self.num_stages:
+            raise ValueError(f"got {len(stages)} stages for {self.num_stages} actors")
+        pings = [a.stats.remote() for a in self.actors]  # answered after what is still queued on a live actor
+        ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+        dead, ready = [], []
+        for k, ping in enumerate(pings):
+            try:
+                ray.get(ping, timeout=0)
+            except Exception:  # died, or did not answer in time: replace it
+                dead.append(k)
+                ray.kill(self.actors[k])
+                self.actors[k] = self._spawn(k, stages[k])
+                ready.append(self.actors[k].stats.remote())
+            else:
+                ready.append(self.actors[k].load.remote(stages[k]))
+        ray.get(ready)
+        return dead
 
     def load(self, stages: Sequence[Stage]) -> None:
         """Ship new stages to the live actors (same count), e.g. to restart from other weights."""

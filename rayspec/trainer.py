@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -63,6 +63,11 @@ def prepare(config: Config, run_dir: str | os.PathLike | None = None) -> Prepare
     ck = config.checkpoint
     folder = Path(os.path.expanduser(ck.dir)) if ck.dir else (Path(run_dir) / "checkpoints" if run_dir else None)
     resume_path = resolve_resume(ck.resume, folder)
+    if ck.resume is None and folder is not None and (earlier := CheckpointStore(folder).latest()) is not None:
+        raise ConfigError(
+            f"{folder} already holds checkpoints of an earlier run ({earlier.name}); continue it with "
+            "checkpoint.resume=auto, or start afresh in another hydra.run.dir or checkpoint.dir"
+        )
     resume = None
     if resume_path is not None:
         resume = load_checkpoint(resume_path)
@@ -360,25 +365,33 @@ def _run(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbac
     restarts: list[dict[str, Any]] = []
     resume = prepared.resume
     t_start = time.perf_counter()
+    live: list[Executor] = []  # the executor kept across a restart, to replace only its dead actors
     while True:
         try:
             return _run_pipeline(prepared, run_dir, echo, callbacks, placement_group, bundle_offset, store, resume,
-                                 restarts, t_start)
+                                 restarts, t_start, live)
         except StageDied as err:
             t_fail = time.perf_counter()
             if len(restarts) >= c.fault.max_restarts:
+                for executor in live:
+                    executor.close()
                 raise RunFailed(
                     f"{err}; stopping after {len(restarts)} restart(s) (fault.max_restarts={c.fault.max_restarts}); "
-                    f"the last checkpoint is {store.latest() or 'none'}: rerun with checkpoint.resume=auto"
+                    f"the last checkpoint is {_last(store, prepared) or 'none'}: rerun with checkpoint.resume=auto"
                 ) from err.__cause__
-            latest = store.latest()
-            resume = load_checkpoint(latest) if latest is not None else prepared.resume
+            latest = _last(store, prepared)
+            resume = load_checkpoint(latest) if latest is not None else None
             step = resume["step"] if resume is not None else 0
             restarts.append({"failed_at_update": err.updates, "resumed_from": step,
                              "lost_updates": err.updates - step, "error": str(err), "t_fail": t_fail,
                              "failed_at": time.time()})
             echo(f"restart {len(restarts)}/{c.fault.max_restarts}: {err}; resuming from update {step} "
                  f"({latest or 'the start'})")
+
+
+def _last(store: CheckpointStore, prepared: Prepared) -> Path | None:
+    """The checkpoint this run would continue from: its newest own one, else the one it resumed from."""
+    return store.last_saved or prepared.resume_path
 
 
 def _boundary(done: int, end: int, *every: int) -> int:
@@ -388,7 +401,7 @@ def _boundary(done: int, end: int, *every: int) -> int:
 
 def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbacks: Sequence[Any],
                   placement_group: Any, bundle_offset: int, store: CheckpointStore, resume: dict[str, Any] | None,
-                  restarts: list[dict[str, Any]], t_start: float) -> dict[str, Any]:
+                  restarts: list[dict[str, Any]], t_start: float, live: list[Executor]) -> dict[str, Any]:
     c, p, ck = prepared.config, prepared.config.pipeline, prepared.config.checkpoint
     stages = build_stages(prepared, device=stage_device(c))
     done, run_s, evals = 0, 0.0, {}
@@ -402,11 +415,8 @@ def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     _keep_metrics(run_dir / "metrics.jsonl", done)
     segments: list[tuple[float, float]] = []
     with open(run_dir / "metrics.jsonl", "a") as metrics:
+        executor = _executor(prepared, stages, placement_group, bundle_offset, live, restarts, echo, done)
         try:
-            executor = make_executor(prepared, stages, placement_group, bundle_offset)
-        except Exception as err:
-            _reraise(err, done)
-        with executor:
             if restarts and "recovery_s" not in restarts[-1]:
                 restarts[-1]["recovery_s"] = time.perf_counter() - restarts[-1].pop("t_fail")
             progress = _Progress(c, metrics, echo, callbacks)
@@ -435,7 +445,18 @@ def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
                 stats = executor.stage_stats()
                 timeline = executor.timeline() if c.trace else None
             except Exception as err:
-                _reraise(err, progress.updates, store)
+                _reraise(err, progress.updates, _last(store, prepared))
+        except StageDied:
+            if not hasattr(executor, "revive"):
+                executor.close()
+                live.clear()
+            raise  # the executor stays in ``live`` for _run to revive
+        except BaseException:
+            executor.close()
+            live.clear()
+            raise
+        executor.close()
+        live.clear()
     torch.save(state, run_dir / "model.pt")
     # Idle share of stage time while the pipeline ran (evaluations excluded); exact action spans with a trace.
     bubble = 1.0 - report_stages(stats, run_s, echo)
@@ -448,12 +469,35 @@ def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     summary = write_summary(prepared, run_dir, echo, transport=p.transport, updates=done, last_loss=progress.last_loss,
                             evals=evals, train_s=run_s, wall_s=time.perf_counter() - t_start, bubble=bubble,
                             bytes_per_update=sent / max(done, 1), stats=stats,
-                            extra={"restarts": restarts, "checkpoint": str(store.latest()),
+                            extra={"restarts": restarts, "checkpoint": str(_last(store, prepared)),
                                    "resumed_from": None if prepared.resume is None else prepared.resume["step"]})
     return summary
 
 
-def _reraise(err: Exception, updates: int, store: CheckpointStore | None = None) -> None:
+def _executor(prepared: Prepared, stages: list[Stage], placement_group: Any, bundle_offset: int, live: list[Executor],
+              restarts: list[dict[str, Any]], echo: Callable[[str], None], done: int) -> Executor:
+    """The executor for ``stages``: after a stage actor died, the live one with only its dead actors replaced
+    (``RayExecutor.revive``); else, or when that fails, a new one. ``live`` holds it between attempts."""
+    if live:
+        old = live.pop()
+        try:
+            replaced = old.revive(stages)  # type: ignore[attr-defined]
+            restarts[-1]["replaced_stages"] = replaced
+            echo(f"replaced stage actor(s) {', '.join(map(str, replaced)) or 'none'}; the others were reloaded")
+            live.append(old)
+            return old
+        except Exception as err:
+            echo(f"could not revive the stage actors ({err}); starting new ones")
+            old.close()
+    try:
+        executor = make_executor(prepared, stages, placement_group, bundle_offset)
+    except Exception as err:
+        _reraise(err, done)
+    live.append(executor)
+    return executor
+
+
+def _reraise(err: Exception, updates: int, last: Path | None = None) -> NoReturn:
     """Raise ``StageDied`` for a dead stage actor; a stage's non-finite loss or gradient as ``FloatingPointError``
     naming the last good checkpoint; anything else as it is."""
     from rayspec.ray_executor import actor_died, task_cause
@@ -462,9 +506,8 @@ def _reraise(err: Exception, updates: int, store: CheckpointStore | None = None)
         raise StageDied(err, updates) from err
     cause = task_cause(err)
     if isinstance(cause, FloatingPointError):
-        latest = store.latest() if store is not None else None
         raise FloatingPointError(
-            f"{cause}; the last good checkpoint is {latest or 'none (set checkpoint.every to write them)'}"
+            f"{cause}; the last good checkpoint is {last or 'none (set checkpoint.every to write them)'}"
         ) from None
     raise err
 

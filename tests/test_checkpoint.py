@@ -131,6 +131,8 @@ def test_resume_refuses_a_different_run(tmp_path):
         with pytest.raises(ConfigError) as info:
             train(from_mapping(other), tmp_path / "x", **QUIET)
         assert message in str(info.value)
+    with pytest.raises(ConfigError, match="already holds checkpoints of an earlier run"):  # never mixed or overwritten
+        train(from_mapping(cfg), tmp_path / "a", **QUIET)
     longer = json.loads(json.dumps(cfg))  # max_steps may grow: train on from the final checkpoint
     longer["train"]["max_steps"] = 16
     longer["checkpoint"]["resume"] = str(tmp_path / "a")
