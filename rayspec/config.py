@@ -45,7 +45,7 @@ class PipelineConfig:
     cpus_per_stage: float | None = None
     """CPUs reserved per stage actor; default: the cluster's CPUs shared among the stages (at most 1)."""
     gpus_per_stage: float | None = None
-    """GPUs per stage actor; default 1 when CUDA is available, else 0."""
+    """GPUs per stage actor; default 1 when the Ray cluster has GPUs, else 0 (a stage actor given a GPU computes on it)."""
     max_in_flight: int | None = None
     """Bound on micro-batches in flight; default: what the schedule needs."""
     placement: Literal["pack", "spread"] = "pack"

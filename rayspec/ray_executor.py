@@ -22,7 +22,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayspec.config import TRANSPORTS
+from rayspec.config import TRANSPORTS, ConfigError
 from rayspec.executor import Executor, MicrobatchFeed, check_stages, fused_backward, plan, stats_of
 from rayspec.schedule import Schedule
 from rayspec.stage import Activation, Stage
@@ -43,13 +43,23 @@ def ensure_ray(options: Mapping[str, Any]) -> None:
 
 def stage_resources(cpus: float | None, gpus: float | None, stages: int, reserved_cpus: float = 0.0) -> tuple[float, float]:
     """CPUs and GPUs of one stage actor (or worker): by default the cluster's CPUs, less ``reserved_cpus``,
-    shared among ``stages`` (at most 1 each), and one GPU each when CUDA is available."""
+    shared among ``stages`` (at most 1 each), and one GPU each when the cluster has GPUs."""
     if cpus is None:
         total = ray.cluster_resources().get("CPU", 1.0) - reserved_cpus
         cpus = max(0.01, math.floor(min(1.0, total / stages) * 100) / 100)
-    if gpus is None:
-        gpus = 1.0 if torch.cuda.is_available() else 0.0
+    if gpus is None:  # the cluster's GPUs, not the driver's: a job's driver may run on a CPU-only head
+        gpus = default_gpus(ray.cluster_resources().get("GPU", 0.0), stages)
     return float(cpus), float(gpus)
+
+
+def default_gpus(available: float, stages: int) -> float:
+    """GPUs per stage when ``pipeline.gpus_per_stage`` is null: one each on a cluster with GPUs, none without."""
+    if 0 < available < stages:
+        raise ConfigError(
+            f"{stages} stages need one GPU each but the Ray cluster has {available:g}; lower pipeline.stages, "
+            "or set pipeline.gpus_per_stage (0 for CPU stages)"
+        )
+    return 1.0 if available else 0.0
 
 
 def actor_died(err: BaseException) -> bool:
@@ -100,8 +110,8 @@ class StageActor:
         # Own writable copies: zero-copy deserialization hands out read-only shared memory,
         # and a stage updates its weights in place.
         stage = copy.deepcopy(stage)
-        if torch.cuda.is_available() and stage.device.type == "cuda":
-            stage.module.to(stage.device)
+        if ray.get_gpu_ids():  # given a GPU: compute there, whatever the driver has (a CPU-only head, say)
+            stage.to("cuda")
         self.stage = stage
         self.losses: dict[int, float] = {}
         logging.getLogger(__name__).debug("[stage %d] loaded", stage.index)

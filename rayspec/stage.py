@@ -134,8 +134,9 @@ class Stage:
         self.stats = StageStats()
         self.record = record
         self._rng_devices = [self.device] if self.device.type == "cuda" else []
+        self._seed = seed * 7919 + index + 1
         with torch.random.fork_rng(devices=self._rng_devices):
-            torch.manual_seed(seed * 7919 + index + 1)
+            torch.manual_seed(self._seed)
             self.rng = _rng_state(self.device)
         self.records: list[dict[str, Any]] = []
         self.trace = trace
@@ -311,6 +312,25 @@ class Stage:
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def to(self, device: str | torch.device) -> Stage:
+        """Move a drained stage (weights, momentum) to ``device``; on CUDA its stream gains a CUDA state seeded
+        like the CPU one."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        if self.inflight or self.stash:
+            raise RuntimeError(f"stage {self.index} has micro-batches in flight; move only a drained stage")
+        self.module.to(device)  # in place: self.params and the optimizer keep the same Parameter objects
+        self.optimizer.buffers = [None if b is None else b.to(device) for b in self.optimizer.buffers]
+        self.scratch = None
+        self.device = device
+        self._rng_devices = [device] if device.type == "cuda" else []
+        if device.type == "cuda" and len(self.rng) == 1:
+            with torch.random.fork_rng(devices=self._rng_devices):
+                torch.cuda.manual_seed(self._seed)
+                self.rng = (self.rng[0], torch.cuda.get_rng_state(device))
+        return self
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything a drained stage needs to continue exactly (``rayspec.checkpoint``): weights and buffers,

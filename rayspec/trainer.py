@@ -297,13 +297,6 @@ def train(
     return summary
 
 
-def stage_device(config: Config) -> str:
-    """Where the stages compute: CUDA for Ray stage actors that get GPUs (by default when CUDA is available)."""
-    p = config.pipeline
-    gpus = p.gpus_per_stage if p.gpus_per_stage is not None else (1.0 if torch.cuda.is_available() else 0.0)
-    return "cuda" if torch.cuda.is_available() and p.executor == "ray" and gpus > 0 else "cpu"
-
-
 def report_stages(stats: list[dict], seconds: float, echo: Callable[[str], None], who: str = "stage",
                   sent: str = "sent") -> float:
     """Add ``busy_fraction`` (busy share of ``seconds``) to each stage's stats, print one line per stage,
@@ -403,7 +396,7 @@ def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
                   placement_group: Any, bundle_offset: int, store: CheckpointStore, resume: dict[str, Any] | None,
                   restarts: list[dict[str, Any]], t_start: float, live: list[Executor]) -> dict[str, Any]:
     c, p, ck = prepared.config, prepared.config.pipeline, prepared.config.checkpoint
-    stages = build_stages(prepared, device=stage_device(c))
+    stages = build_stages(prepared)  # on CPU; a stage actor given a GPU moves its stage there
     done, run_s, evals = 0, 0.0, {}
     if resume is not None:
         for stage, state in zip(stages, resume["stages"]):

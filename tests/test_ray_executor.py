@@ -79,3 +79,26 @@ def test_in_flight_bound_and_lazy_feed(executor, tiny):
     assert pulled == list(range(48)) and len(losses) == 48
     ref = run_local(model, data, "spectrain", N, updates=48)[0]
     assert_same_weights(executor.state_dict(), ref.state_dict())
+
+
+def test_default_gpus_follow_the_cluster_not_the_driver():
+    from rayspec.config import ConfigError
+    from rayspec.ray_executor import default_gpus
+
+    assert default_gpus(0.0, 4) == 0.0 and default_gpus(4.0, 4) == 1.0 and default_gpus(8.0, 2) == 1.0
+    with pytest.raises(ConfigError, match="4 stages need one GPU each but the Ray cluster has 2"):
+        default_gpus(2.0, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_stage_moved_to_cuda_trains_like_the_cpu_one(tiny):
+    model, data = tiny
+    cpu = make_stages(model, "vanilla", 1)[0]
+    gpu = make_stages(model, "vanilla", 1)[0].to("cuda")
+    for m, (x, y) in enumerate(microbatches(data, 4, 32)):
+        cpu.forward(m, x, y)
+        cpu.backward(m, update=True)
+        gpu.forward(m, x, y)
+        gpu.backward(m, update=True)
+    for k, v in cpu.state_dict().items():
+        torch.testing.assert_close(gpu.state_dict()[k], v, rtol=1e-4, atol=1e-5)
