@@ -245,8 +245,8 @@ def main() -> None:
                       "spectrain": f"{r['total']['spectrain_mib']:.1f}", "pd/st": f"{r['total']['ratio']:.2f}",
                       "later pd/st": f"{r['total']['ratio_later']:.2f}"} for r in results],
                     ["model", "stages", "W", "pipedream", "pd later", "spectrain", "pd/st", "later pd/st"]))
-    print("\nexp = analytic copies of W_k: pipedream 2 + (N-k) (first segment), 3 + (N-k) for k < N-1 afterwards "
-          "(scratch of the first drain kept); spectrain 3 (2 on a stage that never predicts)")
+    print("\nexp = analytic copies of W_k: pipedream 2 + (N-k) in every segment (a drained stage frees its "
+          "scratch); spectrain 3 (2 on a stage that never predicts)")
     print("all measured peaks match the expectation" if not mismatches else "MISMATCHES:\n  " + "\n  ".join(mismatches))
     path = write("memory", {"size": size, "partition": args.partition, "variant": args.variant, "batch": args.batch,
                             "segments": args.segments, "results": results, "skipped": skipped,
