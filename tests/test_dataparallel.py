@@ -114,7 +114,8 @@ def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_se
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     pipeline_keys = {"method", "variant", "stages", "model", "model_size", "dataset", "executor", "transport",
                      "balance", "updates", "final_train_loss", "val_loss", "val_accuracy", "samples_per_s",
-                     "train_s", "wall_s", "bubble_fraction", "bytes_per_update", "seed", "stage_stats", "config"}
+                     "train_s", "wall_s", "bubble_fraction", "bytes_per_update", "seed", "stage_stats", "config",
+                     "restarts", "checkpoint", "resumed_from"}
     assert set(on_disk) == pipeline_keys
     assert (on_disk["method"], on_disk["stages"], on_disk["updates"]) == ("dataparallel", 2, 120)
     assert on_disk["transport"] == "gloo" and on_disk["val_accuracy"] == evals[-1]["val_accuracy"]
@@ -148,7 +149,7 @@ def test_a_worker_failure_is_a_clear_error_on_the_driver(tmp_path, ray_session):
             ended.append(summary)
 
     config = dataparallel_config("pipeline.stages=2", "train.max_steps=40", "train.log_every=5", "optim.lr=1000")
-    with pytest.raises(FloatingPointError, match=r"the loss became non-finite by update \d+; lower optim.lr"):
+    with pytest.raises(FloatingPointError, match=r"the loss of micro-batch \d+ is \S+ at update \d+ on stage 0 \(the last\); lower optim.lr"):
         train(config, tmp_path, echo=lambda _: None, callbacks=[Recorder()])
     assert ended == [None]
     assert not (tmp_path / "model.pt").exists()
