@@ -18,10 +18,13 @@ study go to ``benchmarks/results/study_lr.json``; the chosen rate is then writte
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
-from benchmarks._common import write
+import torch
+
+from benchmarks._common import RESULTS, write
 from rayspec.study import BASELINE, RunSpec, load_study, train_run
 
 STUDIES = ("lstm_text", "transformer_text", "vgg16_image", "snn_image")
@@ -41,12 +44,14 @@ def sweep(name: str, lrs: list[float], seed: int, out: Path, extra: list[str]) -
     rows = []
     for lr in lrs:
         study = load_study(name, [f"optim.lr={lr}", *extra], seeds=[seed])
+        if study.threads is not None:
+            torch.set_num_threads(study.threads)
         spec = RunSpec(BASELINE, 1, seed, None)
         spec.overrides = [*study.overrides, *spec.owned]
         record = train_run(study, spec, out / name / f"lr{lr}", None)
         f = record["final"]
         losses = [v for _, v in record["curves"]["loss"]]
-        rows.append({"lr": lr, "status": record["status"], "val_accuracy": f["val_accuracy"],
+        rows.append({"lr": lr, "seed": seed, "status": record["status"], "val_accuracy": f["val_accuracy"],
                      "val_loss": f["val_loss"], "train_loss": f["train_loss"] if record["status"] == "ok" else None,
                      "first_train_loss": losses[0] if losses else None, "seconds": round(record["seconds"], 1)})
         acc = "-" if f["val_accuracy"] is None else f"{100 * f['val_accuracy']:.2f}"
@@ -67,16 +72,20 @@ def main() -> None:
     args = ap.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
     extra = ["train.max_steps=20", "train.eval_every=10", "train.log_every=10"] if args.quick else []
-    results, t0 = {}, time.perf_counter()
+    previous = RESULTS / "study_lr.json"
+    studies = {} if args.quick or not previous.exists() else json.loads(previous.read_text())["studies"]
+    t0 = time.perf_counter()
     for name in args.studies.split(","):
-        rows = sweep(name, lrs, args.seed, Path(args.out), extra)
-        results[name] = {"rows": rows, "chosen_lr": choose(rows, args.tolerance)}
-        print(f"{name}: chosen lr {results[name]['chosen_lr']}", flush=True)
-    if not args.quick:
-        path = write("study_lr", {"seed": args.seed, "tolerance": args.tolerance, "lrs": lrs, "studies": results,
-                                  "rule": "largest lr within tolerance of the best final val accuracy, not diverged",
-                                  "seconds": round(time.perf_counter() - t0)})
-        print(f"wrote {path}")
+        # rows of learning rates swept earlier (same seed) stay, so a grid can be extended one rate at a time
+        kept = [r for r in studies.get(name, {}).get("rows", []) if r["lr"] not in lrs and r.get("seed") == args.seed]
+        rows = sorted(kept + sweep(name, lrs, args.seed, Path(args.out), extra), key=lambda r: r["lr"])
+        studies[name] = {"rows": rows, "chosen_lr": choose(rows, args.tolerance)}
+        print(f"{name}: chosen lr {studies[name]['chosen_lr']}", flush=True)
+        if not args.quick:  # written after each study, read again first: another process may sweep other studies
+            fresh = json.loads(previous.read_text())["studies"] if previous.exists() else {}
+            write("study_lr", {"tolerance": args.tolerance, "studies": {**fresh, name: studies[name]},
+                               "rule": "largest lr within tolerance of the best final val accuracy, not diverged"})
+    print(f"{time.perf_counter() - t0:.0f} s; results in {previous}")
 
 
 if __name__ == "__main__":

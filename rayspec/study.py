@@ -56,8 +56,8 @@ METHODS: dict[str, list[str]] = {
 DEFAULT_METHODS = ["async", "pipedream", "spectrain-paper", "spectrain-consistent", "gpipe"]
 BASELINE = "sequential"
 """The label of the baseline runs: ``vanilla``, which is sequential SGD."""
-FILE_KEYS = ("name", "description", "overrides", "methods", "stages", "seeds", "output_dir")
-CLI_KEYS = ("study", "output_dir", "resume", "methods", "stages", "seeds", "executor")
+FILE_KEYS = ("name", "description", "overrides", "methods", "stages", "seeds", "output_dir", "threads")
+CLI_KEYS = ("study", "output_dir", "resume", "methods", "stages", "seeds", "executor", "threads")
 RUN_FILE = "run.json"
 TRAJECTORY_FILE = "trajectory.pt"
 FINISHED = ("ok", "diverged")
@@ -82,6 +82,9 @@ class Study:
     output_dir: str = ""
     """Default ``outputs/studies/<name>``."""
     description: str = ""
+    threads: int | None = 1
+    """Torch threads of the process that trains the runs (the local executor runs every stage in it); None:
+    torch's default. One thread is as fast for small stages and does not thrash a shared machine."""
     per_stage_baseline: bool = False
     """Set when the model has active dropout (see the module's note); then one baseline per stage count."""
     base: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -177,6 +180,7 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
         stages=_list(name, "stages", raw.get("stages", [2, 4]), int),
         seeds=_list(name, "seeds", raw.get("seeds", [0, 1, 2]), int),
         output_dir=str(raw.get("output_dir") or ""), description=str(raw.get("description") or "").strip(),
+        threads=raw.get("threads", 1),
     )
     _check(study)
     return study
@@ -205,6 +209,8 @@ def _check(study: Study) -> None:
             close = difflib.get_close_matches(label, METHODS, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             raise StudyError(f"{where}: method {label!r} is unknown; {hint}choose from {', '.join(METHODS)}")
+    if study.threads is not None and (not isinstance(study.threads, int) or study.threads < 1):
+        raise StudyError(f"{where}: threads={study.threads!r} must be an integer >= 1 (or null for torch's default)")
     if any(n < 1 for n in study.stages) or any(s < 0 for s in study.seeds):
         raise StudyError(f"{where}: stages={study.stages} must be >= 1 and seeds={study.seeds} >= 0")
     keyed = {o.split("=", 1)[0].lstrip("+~") for o in study.overrides}
@@ -421,8 +427,12 @@ def run_study(study: Study, resume: bool = True, echo: Callable[[str], None] = p
     Returns:
         The contents of ``study_results.json``.
     """
+    import torch
+
     from rayspec.study_report import write_report
 
+    if study.threads is not None:
+        torch.set_num_threads(study.threads)
     directory = study.directory
     if not resume and directory.exists() and any(directory.iterdir()):
         aside = directory.with_name(f"{directory.name}-{time.strftime('%Y%m%d-%H%M%S')}")
