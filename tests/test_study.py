@@ -146,3 +146,23 @@ def test_every_shipped_study_loads(name):
     study = load_study(name)
     assert study.stages == [2, 4] and len(study.seeds) >= 3
     assert set(DEFAULT_METHODS) <= set(study.methods)
+
+
+def test_a_study_on_the_ray_executor_gives_the_local_table(tmp_path, ray_session):
+    """executor=ray trains every run through stage actors; accuracies, losses and weight distances equal local's."""
+    path = write_study(tmp_path / "tiny.yaml", stages=[4])
+    payloads = {}
+    for executor in ("local", "ray"):
+        study = load_study(str(path), methods=["spectrain-consistent"], executor=executor,
+                           output_dir=str(tmp_path / executor))
+        payloads[executor] = run_study(study, echo=lambda line: None)
+    runs = {e: {r["name"]: r for r in p["runs"]} for e, p in payloads.items()}
+    assert set(runs["ray"]) == set(runs["local"]) == {f"{BASELINE}-n1-seed0", "spectrain-consistent-n4-seed0"}
+    for name, local in runs["local"].items():
+        ray_run = runs["ray"][name]
+        assert ray_run["status"] == local["status"] == "ok"
+        assert ray_run["overrides"] != local["overrides"] and "pipeline.executor=ray" in ray_run["overrides"]
+        for key in ("val_accuracy", "val_loss", "train_loss", "distance"):
+            if local["final"].get(key) is not None:
+                assert ray_run["final"][key] == pytest.approx(local["final"][key], rel=1e-5, abs=1e-7), (name, key)
+    assert runs["local"]["spectrain-consistent-n4-seed0"]["final"]["distance"] > 1e-4  # not two identical runs
