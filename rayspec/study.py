@@ -240,7 +240,9 @@ def run_study(study: Study, resume: bool = True, echo: Callable[[str], None] = p
     payload = write_report(study, runs, records, directory)
     echo("")
     echo(payload["markdown"])
-    echo(f"rayspec.study: wrote {directory / 'study.md'}, study_results.json, learning_curves.png, distance.png")
+    total = sum(r["seconds"] for r in records.values())
+    echo(f"rayspec.study: {len(runs)} runs, {_duration(total)} of training in all ({trained} trained now); wrote "
+         f"{directory / 'study.md'}, study_results.json, learning_curves.png, distance.png")
     return payload
 
 
