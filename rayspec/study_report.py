@@ -39,8 +39,12 @@ def cells(study: Study, records: Mapping[str, dict[str, Any]]) -> list[dict[str,
             cell: dict[str, Any] = {"label": label, "stages": n, "runs": len(runs), "ok": len(ok),
                                     "diverged": sum(r["status"] == "diverged" for r in runs),
                                     "failed": sum(r["status"] == "failed" for r in runs)}
-            for metric in METRICS:
-                values = [r["final"][metric] for r in ok if r["final"].get(metric) is not None]
+            # paired with the same seed's baseline: the seeds' spread (data, initial weights) cancels
+            deltas = [r["final"]["val_accuracy"] - ref["final"]["val_accuracy"] for r in ok
+                      if r["reference"] and (ref := records.get(r["reference"])) and ref["status"] == "ok"
+                      and r["final"].get("val_accuracy") is not None and ref["final"].get("val_accuracy") is not None]
+            for metric, values in [*((m, [r["final"][m] for r in ok if r["final"].get(m) is not None]) for m in METRICS),
+                                   ("val_accuracy_change", deltas)]:
                 cell[metric] = statistics.fmean(values) if values else None
                 cell[f"{metric}_std"] = statistics.stdev(values) if len(values) > 1 else (0.0 if values else None)
             out.append(cell)
@@ -50,7 +54,7 @@ def cells(study: Study, records: Mapping[str, dict[str, Any]]) -> list[dict[str,
 def _number(value: float | None, std: float | None, scale: float = 1.0, digits: int = 2) -> str:
     if value is None:
         return "–"
-    if abs(value) and abs(value) < 1e-3:
+    if scale == 1.0 and abs(value) and abs(value) < 1e-3:  # small distances; percentages keep their digits
         text = f"{value:.1e}"
         return text if not std else f"{text} ± {std:.0e}"
     text = f"{value * scale:.{digits}f}"
@@ -65,6 +69,13 @@ def _entry(cell: dict[str, Any], metric: str, scale: float = 1.0, digits: int = 
     text = _number(cell[metric], cell[f"{metric}_std"] if cell["ok"] > 1 else None, scale, digits)
     lost = [f"{cell[k]}/{cell['runs']} {k}" for k in ("diverged", "failed") if cell[k]]
     return text + (f" ({', '.join(lost)})" if lost else "")
+
+
+def _signed(cell: dict[str, Any]) -> str:
+    """The cell's mean paired accuracy change in points, with a sign."""
+    entry = _entry(cell, "val_accuracy_change", 100.0)
+    return f"+{entry}" if cell["ok"] and cell["val_accuracy_change"] is not None and cell["val_accuracy_change"] >= 0 \
+        else entry
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -108,6 +119,11 @@ def markdown(study: Study, table: Sequence[dict[str, Any]], settings: Mapping[st
     rows = [[f"`{label}`"] + [e for n in study.stages for e in (_entry(by[label, n], "val_accuracy", 100.0),
                                                                   _entry(by[label, n], "val_loss", 1.0, 3))]
             for label in _labels(study)]
+    lines += _table(header, rows)
+    lines += ["", "Change of the final validation accuracy against the same seed's sequential run (points; the "
+              "spread over seeds of the data and initial weights cancels):", ""]
+    header = ["method"] + [f"Δ val acc N={n}" for n in study.stages]
+    rows = [[f"`{label}`"] + [_signed(by[label, n]) for n in study.stages] for label in study.methods]
     lines += _table(header, rows)
     lines += ["", "Relative distance of the weights to the sequential run's, ‖W(t) − W_seq(t)‖ / ‖W_seq(t)‖ "
               "(same seed, at each evaluation): at the end, and the mean over evaluations:", ""]

@@ -79,6 +79,11 @@ def test_tiny_study_end_to_end(tmp_path, capsys):
     assert cells[BASELINE, 2]["val_accuracy"] == cells[BASELINE, 4]["val_accuracy"] == \
         by[f"{BASELINE}-n1-seed0"]["final"]["val_accuracy"]
     assert cells["async", 4]["ok"] == 1 and cells["async", 4]["val_accuracy"] == by["async-n4-seed0"]["final"]["val_accuracy"]
+    base_acc = by[f"{BASELINE}-n1-seed0"]["final"]["val_accuracy"]
+    for label in DEFAULT_METHODS:  # paired with the same seed's baseline
+        change = by[f"{label}-n4-seed0"]["final"]["val_accuracy"] - base_acc
+        assert cells[label, 4]["val_accuracy_change"] == pytest.approx(change, abs=1e-12)
+        assert f"{100 * change:+.2f}" in table.split("Change of the final validation accuracy")[1].split("Relative")[0]
 
     import matplotlib.image
 
