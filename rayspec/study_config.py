@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from rayspec.config import Config, ConfigError, from_mapping
-from rayspec.tune import ROOT, compose, merge_overrides
+from rayspec.tune import ROOT, check_keys, compose, find_settings, merge_overrides, read_settings
 
 __all__ = ["STUDIES", "METHODS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
            "find_study", "load_study", "run_config", "has_dropout", "plan_runs", "run_name"]
@@ -113,13 +113,7 @@ def available() -> list[str]:
 
 def find_study(ref: str) -> Path:
     """The study file for ``study=REF``: a name in ``conf/study/`` or a path to a ``.yaml`` file."""
-    path = Path(ref).expanduser()
-    candidates = [path] if path.suffix in (".yaml", ".yml") else [STUDIES / f"{ref}.yaml", path.with_suffix(".yaml")]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise StudyError(f"study={ref} not found; available studies in {STUDIES}: {', '.join(available()) or 'none'} "
-                     "(or give a path to a .yaml file)")
+    return find_settings(ref, STUDIES, "study", StudyError, "studies")
 
 
 def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study:
@@ -135,19 +129,10 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
         StudyError: the file, a key, a method or a composed training config is invalid.
     """
     path = find_study(ref)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise StudyError(f"{path} is not valid YAML: {err}") from err
-    if not isinstance(raw, dict):
-        raise StudyError(f"{path} must hold a mapping of study settings (overrides, methods, stages, seeds, ...)")
+    raw = read_settings(path, StudyError, "study settings (overrides, methods, stages, seeds, ...)")
     executor = options.pop("executor", None)
     raw.update({k: v for k, v in options.items() if v is not None})
-    for key in raw:
-        if key not in FILE_KEYS:
-            close = difflib.get_close_matches(str(key), FILE_KEYS, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
-            raise StudyError(f"{path}: unknown key {key!r}; {hint}known keys: {', '.join(FILE_KEYS)}")
+    check_keys(raw, FILE_KEYS, str(path), StudyError)
     name = str(raw.get("name") or path.stem)
     if not re.fullmatch(r"[\w.\-]+", name):
         raise StudyError(f"name={name!r} must be a plain directory name (letters, digits, _ . -)")

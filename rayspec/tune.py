@@ -69,15 +69,21 @@ class Sweep:
 # --------------------------------------------------------------------------- loading and validation
 
 
-def find_sweep(ref: str) -> Path:
-    """The sweep file for ``sweep=REF``: a name in ``sweeps/`` or a path to a ``.yaml`` file."""
+def find_settings(ref: str, folder: Path, kind: str, error: type[Exception], plural: str = "") -> Path:
+    """The ``kind`` file (sweep, study) for ``kind=REF``: a name in ``folder`` or a path to a ``.yaml`` file."""
     path = Path(ref).expanduser()
-    candidates = [path] if path.suffix in (".yaml", ".yml") else [SWEEPS / f"{ref}.yaml", path.with_suffix(".yaml")]
+    candidates = [path] if path.suffix in (".yaml", ".yml") else [folder / f"{ref}.yaml", path.with_suffix(".yaml")]
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    names = ", ".join(available()) or "none"
-    raise SweepError(f"sweep={ref} not found; available sweeps in {SWEEPS}: {names} (or give a path to a .yaml file)")
+    names = ", ".join(sorted(p.stem for p in folder.glob("*.yaml"))) or "none"
+    raise error(f"{kind}={ref} not found; available {plural or kind + 's'} in {folder}: {names} "
+                "(or give a path to a .yaml file)")
+
+
+def find_sweep(ref: str) -> Path:
+    """The sweep file for ``sweep=REF``: a name in ``sweeps/`` or a path to a ``.yaml`` file."""
+    return find_settings(ref, SWEEPS, "sweep", SweepError)
 
 
 def available() -> list[str]:
@@ -97,14 +103,9 @@ def load_sweep(ref: str, overrides: Sequence[str] = (), **options: Any) -> Sweep
         SweepError: the file, a key, a domain or a composed training config is invalid.
     """
     path = find_sweep(ref)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise SweepError(f"{path} is not valid YAML: {err}") from err
-    if not isinstance(raw, dict):
-        raise SweepError(f"{path} must hold a mapping of sweep settings (overrides, search_space, ...)")
+    raw = read_settings(path, SweepError, "sweep settings (overrides, search_space, ...)")
     raw.update({k: v for k, v in options.items() if v is not None})
-    _known(raw, FILE_KEYS, str(path))
+    check_keys(raw, FILE_KEYS, str(path), SweepError)
     where = raw.get("name") or path.stem
     base = list(raw.get("overrides") or [])
     if not all(isinstance(o, str) and ("=" in o or o.startswith("~")) for o in base):
@@ -126,12 +127,24 @@ def load_sweep(ref: str, overrides: Sequence[str] = (), **options: Any) -> Sweep
     return sweep
 
 
-def _known(raw: Mapping[str, Any], known: Sequence[str], where: str) -> None:
+def read_settings(path: Path, error: type[Exception], what: str) -> dict[str, Any]:
+    """The mapping in the YAML file ``path`` (a sweep or study file); ``error`` names a bad file."""
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise error(f"{path} is not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise error(f"{path} must hold a mapping of {what}")
+    return raw
+
+
+def check_keys(raw: Mapping[str, Any], known: Sequence[str], where: str, error: type[Exception] = SweepError) -> None:
+    """Raise ``error`` for the first key of ``raw`` not in ``known``, suggesting the closest known one."""
     for key in raw:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
-            raise SweepError(f"{where}: unknown key {key!r}; {hint}known keys: {', '.join(known)}")
+            raise error(f"{where}: unknown key {key!r}; {hint}known keys: {', '.join(known)}")
 
 
 def _domain(where: str, key: str, spec: Any) -> tuple[str, list[Any]]:
@@ -190,7 +203,7 @@ def _scheduler(where: str, spec: Any) -> dict[str, Any]:
     if name != "asha":
         raise SweepError(f"{where}: scheduler {name!r} is unknown; use fifo or "
                          "{name: asha, max_t: 8, grace_period: 2, reduction_factor: 2}")
-    _known(spec, ASHA_KEYS, f"{where}: scheduler")
+    check_keys(spec, ASHA_KEYS, f"{where}: scheduler")
     asha = {"name": "asha", "max_t": 8, "grace_period": 1, "reduction_factor": 2, **spec}
     if not all(isinstance(asha[k], int) and asha[k] >= 1 for k in ("max_t", "grace_period")):
         raise SweepError(f"{where}: scheduler max_t and grace_period count evaluations; give integers >= 1")

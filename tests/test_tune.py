@@ -72,7 +72,8 @@ def test_trial_overrides_are_hydra_strings():
     assert (config.model["name"], config.model["size"], config.pipeline.balance) == ("vgg16", "tiny", [2, 2, 2, 1])
 
 
-def test_trial_resources_give_the_driver_and_every_stage_a_bundle(tmp_path):
+def test_trial_resources_give_the_driver_and_every_stage_a_bundle(tmp_path, ray_session):
+    """Sized from the cluster's CPUs, so it needs the running Ray."""
     setup = _Setup("s", TINY, None, str(tmp_path), str(tmp_path))
     pgf = _Resources(setup)({"pipeline.stages": 3, "pipeline.balance": "[3,2,2]"})
     assert pgf.bundles == [{"CPU": 0.1}, {"CPU": 0.4}, {"CPU": 0.4}, {"CPU": 0.4}]
