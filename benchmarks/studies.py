@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
-from pathlib import Path
 
 from benchmarks._common import RESULTS
 from rayspec.study import load_study, run_study
+from rayspec.tune import ROOT
 
 RUNS: dict[str, tuple[str, list[str]]] = {
     "lstm_text": ("lstm_text", []),
@@ -31,7 +31,6 @@ RUNS: dict[str, tuple[str, list[str]]] = {
 }
 """Report label -> (study name, training overrides of the command line)."""
 FILES = ("study.md", "study_results.json", "learning_curves.png", "distance.png")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

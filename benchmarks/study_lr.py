@@ -22,10 +22,9 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from benchmarks._common import RESULTS, write
 from rayspec.study import BASELINE, RunSpec, load_study, train_run
+from rayspec.study_config import with_overrides
 
 STUDIES = ("lstm_text", "transformer_text", "vgg16_image", "snn_image")
 LRS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
@@ -44,11 +43,7 @@ def sweep(name: str, lrs: list[float], seed: int, out: Path, extra: list[str]) -
     rows = []
     for lr in lrs:
         study = load_study(name, [f"optim.lr={lr}", *extra], seeds=[seed])
-        if study.threads is not None:
-            torch.set_num_threads(study.threads)
-        spec = RunSpec(BASELINE, 1, seed, None)
-        spec.overrides = [*study.overrides, *spec.owned]
-        record = train_run(study, spec, out / name / f"lr{lr}", None)
+        record = train_run(study, with_overrides(study, RunSpec(BASELINE, 1, seed, None)), out / name / f"lr{lr}", None)
         f = record["final"]
         losses = [v for _, v in record["curves"]["loss"]]
         rows.append({"lr": lr, "seed": seed, "status": record["status"], "val_accuracy": f["val_accuracy"],

@@ -130,6 +130,8 @@ def train_run(study: Study, spec: RunSpec, run_dir: Path,
 
     from rayspec.trainer import train
 
+    if study.threads is not None:
+        torch.set_num_threads(study.threads)
     if run_dir.exists():  # an unfinished or outdated run: nothing of it is kept
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -200,12 +202,8 @@ def run_study(study: Study, resume: bool = True, echo: Callable[[str], None] = p
     Returns:
         The contents of ``study_results.json``.
     """
-    import torch
-
     from rayspec.study_report import write_report
 
-    if study.threads is not None:
-        torch.set_num_threads(study.threads)
     directory = study.directory
     if not resume and directory.exists() and any(directory.iterdir()):
         aside = directory.with_name(f"{directory.name}-{time.strftime('%Y%m%d-%H%M%S')}")

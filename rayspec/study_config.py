@@ -16,10 +16,10 @@ from typing import Any
 import yaml
 
 from rayspec.config import Config, ConfigError, from_mapping
-from rayspec.tune import ROOT, check_keys, compose, find_settings, merge_overrides, read_settings
+from rayspec.tune import ROOT, check_keys, compose, find_settings, merge_overrides, read_settings, settings_names
 
 __all__ = ["STUDIES", "METHODS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
-           "find_study", "load_study", "run_config", "has_dropout", "plan_runs", "run_name"]
+           "find_study", "load_study", "run_config", "has_dropout", "plan_runs", "run_name", "with_overrides"]
 
 STUDIES = ROOT / "conf" / "study"
 METHODS: dict[str, list[str]] = {
@@ -108,7 +108,7 @@ def run_name(label: str, stages: int, seed: int) -> str:
 
 def available() -> list[str]:
     """The study names in ``conf/study/``."""
-    return sorted(p.stem for p in STUDIES.glob("*.yaml"))
+    return settings_names(STUDIES)
 
 
 def find_study(ref: str) -> Path:
@@ -245,6 +245,10 @@ def plan_runs(study: Study) -> list[RunSpec]:
         for n in study.stages:
             reference = run_name(BASELINE, n if study.per_stage_baseline else 1, seed)
             runs += [RunSpec(label, n, seed, reference) for label in study.methods]
-    for spec in runs:
-        spec.overrides = merge_overrides(study.overrides, spec.owned)
-    return runs
+    return [with_overrides(study, spec) for spec in runs]
+
+
+def with_overrides(study: Study, spec: RunSpec) -> RunSpec:
+    """``spec`` with its ``overrides`` set: the study's, then the keys the study owns for this run."""
+    spec.overrides = merge_overrides(study.overrides, spec.owned)
+    return spec

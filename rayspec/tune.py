@@ -69,6 +69,11 @@ class Sweep:
 # --------------------------------------------------------------------------- loading and validation
 
 
+def settings_names(folder: Path) -> list[str]:
+    """The names of the settings files (sweeps, studies) in ``folder``."""
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
 def find_settings(ref: str, folder: Path, kind: str, error: type[Exception], plural: str = "") -> Path:
     """The ``kind`` file (sweep, study) for ``kind=REF``: a name in ``folder`` or a path to a ``.yaml`` file."""
     path = Path(ref).expanduser()
@@ -76,7 +81,7 @@ def find_settings(ref: str, folder: Path, kind: str, error: type[Exception], plu
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    names = ", ".join(sorted(p.stem for p in folder.glob("*.yaml"))) or "none"
+    names = ", ".join(settings_names(folder)) or "none"
     raise error(f"{kind}={ref} not found; available {plural or kind + 's'} in {folder}: {names} "
                 "(or give a path to a .yaml file)")
 
@@ -88,7 +93,7 @@ def find_sweep(ref: str) -> Path:
 
 def available() -> list[str]:
     """The sweep names in ``sweeps/``."""
-    return sorted(p.stem for p in SWEEPS.glob("*.yaml"))
+    return settings_names(SWEEPS)
 
 
 def load_sweep(ref: str, overrides: Sequence[str] = (), **options: Any) -> Sweep:
