@@ -1,14 +1,17 @@
-"""The shipped accuracy studies, each at its swept learning rate and at one lower rate, with their reports.
+"""The shipped accuracy studies at their swept learning rate and at a third of it, with their reports.
 
-    python -m benchmarks.studies [--only lstm_text,snn_image-lr0.01]
+    python -m benchmarks.studies [--only lstm_text,snn_image-third]
 
 Runs ``rayspec.study`` for every entry of ``RUNS`` into ``outputs/studies/<label>`` (finished runs are
 kept and skipped, as ``python -m rayspec.study`` does), then copies each study's ``study.md``,
 ``study_results.json`` and plots to ``benchmarks/results/studies/<label>/`` for the README.
 
-The lower rates are not tuned to any outcome: they are the next rate below the swept one in
-``benchmarks/study_lr.py``'s grid (snn_image, whose swept rate made every asynchronous method
-diverge) and the rate of the paper's lstm_imdb experiment (lstm_text, 0.1).
+Every study runs at 4 stages, the stale methods and every SpecTrain predictor (``rayspec.predict``),
+3 seeds. The swept rate (``benchmarks/study_lr.py``: the largest the sequential baseline takes
+without losing accuracy) puts every stale method at the edge of its stability; the third of it is
+fixed by that rule too, not chosen for any outcome. The same run by hand:
+
+    python -m rayspec.study study=lstm_text 'methods=[async,pipedream,...]' 'stages=[4]' optim.lr=0.333
 """
 
 from __future__ import annotations
@@ -19,32 +22,47 @@ import time
 
 from benchmarks._common import RESULTS
 from rayspec.study import load_study, run_study
-from rayspec.tune import ROOT
+from rayspec.study_config import STUDIES
+from rayspec.tune import ROOT, read_settings
 
-RUNS: dict[str, tuple[str, list[str]]] = {
-    "lstm_text": ("lstm_text", []),
-    "lstm_text-lr0.1": ("lstm_text", ["optim.lr=0.1"]),
-    "transformer_text": ("transformer_text", []),
-    "vgg16_image": ("vgg16_image", []),
-    "snn_image": ("snn_image", []),
-    "snn_image-lr0.01": ("snn_image", ["optim.lr=0.01"]),
-}
-"""Report label -> (study name, training overrides of the command line)."""
-FILES = ("study.md", "study_results.json", "learning_curves.png", "distance.png")
+NAMES = ("lstm_text", "transformer_text", "vgg16_image", "snn_image")
+METHODS = ["async", "pipedream", "spectrain-paper", "spectrain-consistent", "spectrain-paper-momentum",
+           "spectrain-consistent-momentum", "spectrain-paper-adaptive", "spectrain-consistent-adaptive"]
+STAGES = [4]
+
+
+def swept_lr(name: str) -> float:
+    """The ``optim.lr`` override of a shipped study file."""
+    raw = read_settings(STUDIES / f"{name}.yaml", ValueError, "a study")
+    return next(float(o.split("=", 1)[1]) for o in raw["overrides"] if o.startswith("optim.lr="))
+
+
+def runs() -> dict[str, tuple[str, list[str]]]:
+    """Report label -> (study name, training overrides): each study at its swept rate and at a third of it."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    for name in NAMES:
+        out[name] = (name, [])
+        out[f"{name}-third"] = (name, [f"optim.lr={swept_lr(name) / 3:.4g}"])
+    return out
+
+
+FILES = ("study.md", "study_results.json", "learning_curves.png", "distance.png", "prediction.png")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default=",".join(RUNS), help="comma-separated labels of RUNS")
+    table = runs()
+    ap.add_argument("--only", default=",".join(table), help="comma-separated report labels")
     args = ap.parse_args()
     labels = args.only.split(",")
-    unknown = [label for label in labels if label not in RUNS]
+    unknown = [label for label in labels if label not in table]
     if unknown:
-        ap.error(f"--only {','.join(unknown)}: unknown; choose from {', '.join(RUNS)}")
+        ap.error(f"--only {','.join(unknown)}: unknown; choose from {', '.join(table)}")
     for label in labels:
-        name, overrides = RUNS[label]
+        name, overrides = table[label]
         t0 = time.perf_counter()
-        study = load_study(name, overrides, output_dir=str(ROOT / "outputs" / "studies" / label))
+        study = load_study(name, overrides, output_dir=str(ROOT / "outputs" / "studies" / label), methods=METHODS,
+                           stages=STAGES)
         run_study(study)
         target = RESULTS / "studies" / label
         target.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,8 @@ _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 # Settings a checkpoint's state depends on; resuming with another value of any of them is refused.
 # Everything else (max_steps, logging, evaluation, executor, transport, resources) may change.
 _FIXED = (
-    ("model",), ("data",), ("seed",), ("pipeline", "method"), ("pipeline", "variant"), ("pipeline", "backward"),
+    ("model",), ("data",), ("seed",), ("pipeline", "method"), ("pipeline", "variant"), ("pipeline", "predictor"),
+    ("pipeline", "backward"),
     ("pipeline", "stages"), ("pipeline", "microbatches"), ("train", "batch_size"), ("train", "train_samples"),
     ("optim", "momentum"), ("optim", "weight_decay"), ("optim", "dampening"), ("optim", "nesterov"),
 )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rayspec.optim import SCHEDULES as LR_SCHEDULES
+from rayspec.predict import PREDICTORS
 from rayspec.schedule import METHOD_SCHEDULE, VARIANTS
 
 __all__ = ["TRANSPORTS", "ConfigError", "Config", "PipelineConfig", "OptimConfig", "TrainConfig", "CheckpointConfig", "FaultConfig", "from_mapping", "METHODS"]
@@ -28,6 +29,10 @@ class PipelineConfig:
     """Training method (DESIGN §2); ``dataparallel``: ``stages`` Ray Train DDP workers, each the whole model."""
     variant: Literal["paper", "consistent"] = "paper"
     """SpecTrain's prediction target: ``paper`` (v1) or ``consistent`` (v2)."""
+    predictor: Literal["linear", "momentum", "adaptive"] = "linear"
+    """SpecTrain's predicted step (``rayspec.predict``): ``linear`` is the paper's ``W - s * lr * v``."""
+    probe: int = 4096
+    """Weight coordinates per stage on which SpecTrain's predictions are scored (``rayspec.predict``); 0: off."""
     backward: Literal["mixed", "recompute"] = "mixed"
     """``mixed``: backward at the weights in storage with the forward's activations; ``recompute``: exact."""
     stages: int = 4
@@ -130,6 +135,8 @@ class Config:
         p, o, t = self.pipeline, self.optim, self.train
         _choice("pipeline.method", p.method, METHODS)
         _choice("pipeline.variant", p.variant, VARIANTS)
+        _choice("pipeline.predictor", p.predictor, PREDICTORS)
+        _int("pipeline.probe", p.probe, 0, "use 0 to turn the prediction probe off")
         _choice("pipeline.backward", p.backward, ("mixed", "recompute"))
         _choice("pipeline.executor", p.executor, ("local", "ray"))
         _choice("pipeline.transport", p.transport, TRANSPORTS)

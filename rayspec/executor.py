@@ -141,6 +141,7 @@ def stats_of(stage: Stage) -> dict:
         "peak_weight_bytes": stage.stats.peak_weight_bytes,
         "weight_bytes": stage.weight_bytes(),
         "sent_bytes": dict(stage.stats.sent_bytes),
+        **({"prediction": stage.probe.summary()} if stage.probe is not None else {}),
     }
 
 

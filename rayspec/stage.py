@@ -10,8 +10,10 @@ Staleness policies (DESIGN §2):
   those weights into the parameter storage for its backward. One copy per version in
   flight, at most ``N - k`` on stage ``k``.
 * ``predict`` (``spectrain``): for an action ``s`` versions ahead, the storage holds
-  ``W - s * lr * v`` during the action and is restored bit-exactly from one scratch copy
-  afterwards; no weight copy outlives the action.
+  ``W + alpha * v`` during the action (``alpha = -s * lr`` for the paper's ``linear`` predictor;
+  ``rayspec.predict`` has the others) and is restored bit-exactly from one scratch copy
+  afterwards; no weight copy outlives the action. A ``PredictionProbe`` scores every prediction
+  against the weights the stage reaches at the target version (``stats()["prediction"]``).
 
 [Note: mixed backward] Autograd's saved tensors alias the parameter storage, so a backward
 uses whatever the storage holds *during the backward* together with the activations saved
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from rayspec.optim import SGD, LRSchedule
+from rayspec.predict import PREDICTORS, PredictionProbe, step_scale
 from rayspec.profile import activation_bytes
 
 __all__ = ["Stage", "Activation", "POLICIES", "METHOD_POLICY"]
@@ -91,6 +94,8 @@ class Stage:
             stream in its own action order, so the numbers do not depend on how stages interleave
             or on which process runs them.
         trace: keep the start and end (wall-clock seconds) of every action in ``timeline``.
+        predictor: ``linear`` (the paper's), ``momentum`` or ``adaptive`` (``predict`` policy; ``rayspec.predict``).
+        probe: weight coordinates the prediction probe samples (``predict`` policy); 0 turns it off.
     """
 
     def __init__(
@@ -112,11 +117,15 @@ class Stage:
         record: bool = False,
         seed: int = 0,
         trace: bool = False,
+        predictor: str = "linear",
+        probe: int = 4096,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is unknown; choose one of {', '.join(POLICIES)}")
         if backward not in ("mixed", "recompute"):
             raise ValueError(f"backward={backward!r} is unknown; choose mixed or recompute")
+        if predictor not in PREDICTORS:
+            raise ValueError(f"predictor={predictor!r} is unknown; choose one of {', '.join(PREDICTORS)}")
         self.index, self.num_stages = index, num_stages
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.policy, self.backward_mode, self.group = policy, backward, group
@@ -140,6 +149,8 @@ class Stage:
             self.rng = _rng_state(self.device)
         self.records: list[dict[str, Any]] = []
         self.trace = trace
+        self.predictor = predictor
+        self.probe = PredictionProbe(self.params, probe, self._seed) if policy == "predict" and probe > 0 else None
         self.timeline: list[tuple[str, int, float, float]] = []  # (kind, micro-batch, start, end) in epoch s
 
     # ------------------------------------------------------------------ actions
@@ -246,6 +257,8 @@ class Stage:
         self.optimizer.zero_grad()
         self.version += 1
         self.pending = 0
+        if self.probe is not None:
+            self.probe.reached(self.version, self.params, self.optimizer.buffers)
         if self.version == 1:  # the optimizer's state exists from the first step on
             self._track_memory()
 
@@ -253,10 +266,12 @@ class Stage:
     def _weights_for(self, kind: str, m: int, s: int) -> _WeightSwap:
         if self.policy != "predict" or s == 0:
             return _WeightSwap(self, kind, m, s, None)
-        lr = self.lr(self.version)
+        damping = self.probe.damping() if self.probe is not None else 1.0
+        alpha = step_scale(self.predictor, s, self.version, self.lr, self.optimizer.momentum, damping)
         # Before the first update there is no velocity yet: nothing to predict.
-        predicted = [None if v is None else (v, -s * lr) for v in self.optimizer.buffers]
-        return _WeightSwap(self, kind, m, s, predicted)
+        predicted = [None if v is None else (v, alpha) for v in self.optimizer.buffers]
+        scored = self.probe is not None and any(v is not None for v in self.optimizer.buffers)
+        return _WeightSwap(self, kind, m, s, predicted, target=self.version + s if scored else None)
 
     def _stashed_weights(self, version: int, m: int) -> _WeightSwap:
         if version == self.version:
@@ -325,6 +340,8 @@ class Stage:
         self.optimizer.buffers = [None if b is None else b.to(device) for b in self.optimizer.buffers]
         self.scratch = None
         self.device = device
+        if self.probe is not None:
+            self.probe.index = [i.to(device) for i in self.probe.index]
         self._rng_devices = [device] if device.type == "cuda" else []
         if device.type == "cuda" and len(self.rng) == 1:
             with torch.random.fork_rng(devices=self._rng_devices):
@@ -346,6 +363,7 @@ class Stage:
             "version": self.version,
             "rng": [t.clone() for t in self.rng],
             "stats": json.dumps(dataclasses.asdict(self.stats)),
+            **({"probe": self.probe.state()} if self.probe is not None else {}),
         }
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -363,6 +381,8 @@ class Stage:
         self.stash.clear()
         self.rng = tuple(t.clone() for t in state["rng"])
         self.stats = StageStats(**json.loads(state["stats"]))
+        if self.probe is not None and "probe" in state:
+            self.probe.load(state["probe"])
 
     def drained(self) -> bool:
         return not self.inflight and self.pending == 0
@@ -377,13 +397,16 @@ class _WeightSwap:
     """
 
     def __init__(self, stage: Stage, kind: str, m: int, s: int, swaps: list | None,
-                 restore: list[torch.Tensor] | None = None) -> None:
+                 restore: list[torch.Tensor] | None = None, target: int | None = None) -> None:
         self.stage, self.kind, self.m, self.s, self.swaps = stage, kind, m, s, swaps
         self.restore = restore  # an existing copy of the stored weights; then no scratch is used
+        self.target = target  # a prediction the stage's probe scores once it holds this version
 
     def __enter__(self) -> None:
         st = self.stage
         before = [p.data.clone() for p in st.params] if st.record else None
+        probe = st.probe if self.target is not None else None
+        stale = probe.sample([p.data for p in st.params]) if probe is not None else None
         if self.swaps is not None:
             scratch = self.restore if self.restore is not None else st._scratch()
             with torch.no_grad():
@@ -397,6 +420,9 @@ class _WeightSwap:
                         p.data.copy_(t)
                     else:
                         p.data.add_(t, alpha=alpha)
+        if probe is not None and stale is not None and self.target is not None:
+            paper = probe.sample(st.optimizer.buffers) * (-self.s * st.lr(st.version))
+            probe.predicted(self.target, stale, probe.sample([p.data for p in st.params]), paper)
         if st.record:
             self.before = before
             self.used = [p.data.clone() for p in st.params]

@@ -4,7 +4,7 @@ A study (``conf/study/NAME.yaml``) names one workload as training overrides of `
 the methods, the stage counts and the seeds. Each run trains through ``rayspec.trainer.train`` with the
 same data order and learning-rate schedule (both depend only on ``seed`` and the overrides); at every
 evaluation the run's merged weights are compared with the sequential run's weights at the same update.
-The results (``study.md``, ``study_results.json``, ``learning_curves.png``, ``distance.png``) go to the
+The results (``study.md``, ``study_results.json``, ``learning_curves.png``, ``distance.png``, ``prediction.png``) go to the
 study's output directory, one sub-directory per run under ``runs/``.
 
 [Note: one sequential baseline per seed] A ``vanilla`` pipeline is bit-exactly sequential SGD at any
@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -82,11 +83,16 @@ class _Recorder:
         self.loss: list[list[float]] = []
         self.val: list[list[float]] = []
         self.distance: list[list[float]] = []
+        self.prediction: list[list[float]] = []  # [step, quality, best scale, quality_flipped]: means over stages
         self.trajectory: dict[int, dict[str, Any]] = {}
 
     def on_metrics(self, record: dict[str, Any]) -> None:
         if "val_loss" in record:
             self.val.append([record["step"], record["val_loss"], record["val_accuracy"]])
+            scored = [[v for k, v in record.items() if k.startswith(f"prediction_{name}/")]
+                      for name in ("quality", "best_scale", "quality_flipped")]
+            if scored[0]:
+                self.prediction.append([record["step"], *(statistics.fmean(v) if v else math.nan for v in scored)])
         elif "loss" in record:
             self.loss.append([record["step"], record["loss"]])
             if not math.isfinite(record["loss"]):
@@ -164,11 +170,27 @@ def train_run(study: Study, spec: RunSpec, run_dir: Path,
             "distance": recorder.distance[-1][1] if recorder.distance and status == "ok" else None,
             "mean_distance": (sum(d for _, d in recorder.distance) / len(recorder.distance)
                               if recorder.distance and status == "ok" else None),
+            **prediction_figures(summary),
         },
-        "curves": {"loss": recorder.loss, "val": recorder.val, "distance": recorder.distance},
+        "curves": {"loss": recorder.loss, "val": recorder.val, "distance": recorder.distance,
+                   "prediction": recorder.prediction},
     }
     _write_json(run_dir / RUN_FILE, record)
     return record
+
+
+def prediction_figures(summary: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A SpecTrain run's prediction scores over the whole run (``rayspec.predict``): per stage, and the means
+    over the stages that predict (the last stage never does)."""
+    stages = [st["prediction"] | {"stage": st["stage"]} for st in (summary or {}).get("stage_stats", [])
+              if st.get("prediction") and st["prediction"]["quality"] is not None]
+    if not stages:
+        return {}
+    keys = ("quality", "best_scale", "quality_flipped", "quality_kept", "flipped_share")
+    return {**{f"prediction_{k}": statistics.fmean(values) if (values := [st[k] for st in stages
+                                                                         if st.get(k) is not None]) else None
+               for k in keys},
+            "prediction_stages": [{k: st.get(k) for k in ("stage", "actions", *keys, "damping")} for st in stages]}
 
 
 def _trajectory(run_dir: Path, record: dict[str, Any] | None) -> dict[int, dict[str, Any]] | None:
@@ -240,7 +262,7 @@ def run_study(study: Study, resume: bool = True, echo: Callable[[str], None] = p
     echo(payload["markdown"])
     total = sum(r["seconds"] for r in records.values())
     echo(f"rayspec.study: {len(runs)} runs, {_duration(total)} of training in all ({trained} trained now); wrote "
-         f"{directory / 'study.md'}, study_results.json, learning_curves.png, distance.png")
+         f"{directory / 'study.md'}, study_results.json, learning_curves.png, distance.png, prediction.png (SpecTrain methods)")
     return payload
 
 

@@ -32,6 +32,9 @@ METHODS: dict[str, list[str]] = {
     "spectrain-paper-recompute": ["pipeline.method=spectrain", "pipeline.variant=paper", "pipeline.backward=recompute"],
     "spectrain-consistent-recompute": ["pipeline.method=spectrain", "pipeline.variant=consistent",
                                        "pipeline.backward=recompute"],
+    **{f"spectrain-{variant}-{predictor}": ["pipeline.method=spectrain", f"pipeline.variant={variant}",
+                                            f"pipeline.predictor={predictor}"]
+       for variant in ("paper", "consistent") for predictor in ("momentum", "adaptive")},
 }
 """Method labels a study may name, and the training overrides each stands for."""
 DEFAULT_METHODS = ["async", "pipedream", "spectrain-paper", "spectrain-consistent", "gpipe"]
@@ -42,7 +45,7 @@ CLI_KEYS = ("study", "output_dir", "resume", "methods", "stages", "seeds", "exec
 RUN_FILE = "run.json"
 TRAJECTORY_FILE = "trajectory.pt"
 FINISHED = ("ok", "diverged")
-OWNED = ("pipeline.method", "pipeline.variant", "pipeline.backward", "pipeline.stages", "seed")
+OWNED = ("pipeline.method", "pipeline.variant", "pipeline.predictor", "pipeline.backward", "pipeline.stages", "seed")
 
 
 class StudyError(ValueError):

@@ -16,7 +16,8 @@ __all__ = ["cells", "markdown", "plot_curves", "write_report"]
 PAPER_COLUMNS = {BASELINE: "SEQ", "async": "MP", "pipedream": "PD", "spectrain-paper": "STv1",
                  "spectrain-consistent": "STv2", "gpipe": "GP"}
 """DESIGN §6's column names (MP: 1F1B without stashing, PD: PipeDream, ST: SpecTrain v1/v2; SEQ and GP ours)."""
-METRICS = ("val_accuracy", "val_loss", "distance", "mean_distance")
+METRICS = ("val_accuracy", "val_loss", "distance", "mean_distance", "prediction_quality", "prediction_best_scale",
+           "prediction_quality_flipped", "prediction_quality_kept", "prediction_flipped_share")
 
 
 def _labels(study: Study) -> list[str]:
@@ -47,6 +48,11 @@ def cells(study: Study, records: Mapping[str, dict[str, Any]]) -> list[dict[str,
                                    ("val_accuracy_change", deltas)]:
                 cell[metric] = statistics.fmean(values) if values else None
                 cell[f"{metric}_std"] = statistics.stdev(values) if len(values) > 1 else (0.0 if values else None)
+            per_stage: dict[int, list[float]] = {}
+            for r in ok:
+                for st in r["final"].get("prediction_stages", []):
+                    per_stage.setdefault(st["stage"], []).append(st["quality"])
+            cell["prediction_quality_per_stage"] = {k: statistics.fmean(v) for k, v in sorted(per_stage.items())}
             out.append(cell)
     return out
 
@@ -132,6 +138,26 @@ def markdown(study: Study, table: Sequence[dict[str, Any]], settings: Mapping[st
                                                                   _entry(by[label, n], "mean_distance", 1.0, 3))]
             for label in study.methods]
     lines += _table(header, rows)
+    predicting = [label for label in study.methods if label.startswith("spectrain")]
+    if predicting:
+        lines += ["", "SpecTrain's prediction quality, ‖W_pred − W*‖ / ‖W_stale − W*‖ against the weights W* each stage "
+                  "really held at the predicted version, on a fixed sample of each stage's weights (0: perfect, 1: no "
+                  "better than the stale weights; `rayspec.predict`): over the run, the mean over the predicting "
+                  "stages and per stage (s0/s1/...); the best scale, the multiple of the paper's step "
+                  "`s·lr·v` that would have landed closest (below 1: the paper's step overshoots); and the quality "
+                  "on the flipped coordinates, whose velocity changed sign before the target version, and on the "
+                  "others (kept), with the flipped share of the coordinates:", ""]
+        heads = ("quality", "per stage", "best scale", "flipped", "kept", "flipped share %")
+        header = ["method"] + [f"{h} N={n}" for n in study.stages for h in heads]
+        rows = [[f"`{label}`"] + [e for n in study.stages for e in (
+                    _entry(by[label, n], "prediction_quality", 1.0, 3),
+                    " / ".join(f"{q:.2f}" for q in by[label, n]["prediction_quality_per_stage"].values()) or "–",
+                    _entry(by[label, n], "prediction_best_scale", 1.0, 2),
+                    _entry(by[label, n], "prediction_quality_flipped", 1.0, 2),
+                    _entry(by[label, n], "prediction_quality_kept", 1.0, 2),
+                    _entry(by[label, n], "prediction_flipped_share", 100.0, 0))]
+                for label in predicting]
+        lines += _table(header, rows)
     columns = [(label, n) for n in study.stages for label in _labels(study) if label in PAPER_COLUMNS]
     if columns:
         lines += ["", "In DESIGN §6's layout (val accuracy %; MP = `async`, PD = `pipedream`, STv1/STv2 = "
@@ -199,7 +225,38 @@ def plot_curves(study: Study, records: Mapping[str, dict[str, Any]], directory: 
     dist_fig.savefig(paths[1], dpi=110)
     plt.close(fig)
     plt.close(dist_fig)
-    return paths
+    return paths + _plot_prediction(study, records, directory, colors, plt)
+
+
+def _plot_prediction(study: Study, records: Mapping[str, dict[str, Any]], directory: Path, colors: Mapping[str, Any],
+                     plt: Any) -> list[Path]:
+    """``prediction.png``: SpecTrain's prediction quality and best scale over training, a column per stage count."""
+    predicting = [label for label in study.methods if label.startswith("spectrain")]
+    if not predicting:
+        return []
+    fig, axes = plt.subplots(2, len(study.stages), figsize=(5.0 * len(study.stages), 6.5), squeeze=False, sharex=True)
+    for j, n in enumerate(study.stages):
+        for label in predicting:
+            ok = [r for r in _records_of(study, records, label, n) if r["status"] == "ok"]
+            for row, column in enumerate((1, 2)):
+                steps, mean = _mean_curve([r["curves"].get("prediction", []) for r in ok], column)
+                if steps:
+                    axes[row][j].plot(steps, mean, color=colors[label], lw=1.2, label=f"{label} ({len(ok)} seeds)")
+        axes[0][j].axhline(1.0, color="black", lw=0.8, ls=":")
+        axes[1][j].axhline(1.0, color="black", lw=0.8, ls=":")
+        axes[0][j].set_title(f"{study.name}: N={n} stages")
+        axes[0][j].set_ylabel("‖W_pred − W*‖ / ‖W_stale − W*‖")
+        axes[1][j].set_ylabel("best scale of s·lr·v")
+        axes[1][j].set_xlabel("update")
+        for ax in axes[:, j]:
+            ax.grid(alpha=0.3)
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    path = directory / "prediction.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 def _finite(value: Any) -> Any:

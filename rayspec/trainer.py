@@ -24,6 +24,7 @@ from rayspec.executor import Executor, LocalExecutor
 from rayspec.models import build_model, model_options
 from rayspec.optim import LRSchedule
 from rayspec.partition import Plan, check_balance, human_bytes, plan, split, uniform
+from rayspec.predict import window as prediction_window
 from rayspec.profile import profile_blocks
 from rayspec.schedule import METHOD_SCHEDULE, build_schedule
 from rayspec.stage import METHOD_POLICY, Stage
@@ -145,6 +146,7 @@ def build_stages(prepared: Prepared, device: str = "cpu", record: bool = False) 
             part, k, n, policy=METHOD_POLICY[c.pipeline.method], lr=lr_schedule(c), momentum=o.momentum,
             weight_decay=o.weight_decay, dampening=o.dampening, nesterov=o.nesterov, group=group,
             backward=c.pipeline.backward, device=device, record=record, seed=c.seed, trace=c.trace,
+            predictor=c.pipeline.predictor, probe=c.pipeline.probe,
         )
         for k, part in enumerate(split(model, prepared.balance))
     ]
@@ -307,8 +309,11 @@ def report_stages(stats: list[dict], seconds: float, echo: Callable[[str], None]
         per = busy / max(1, st["actions"]["F"] + st["actions"]["B"]) * 1e3
         st["busy_fraction"] = busy / max(seconds, 1e-9)
         fractions.append(st["busy_fraction"])
+        scored = st.get("prediction") or {}
+        quality = (f"  prediction quality {scored['quality']:.3f} (best scale {scored['best_scale']:.2f}, "
+                   f"{scored['actions']} scored)" if scored.get("quality") is not None else "")
         echo(f"{who} {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}  "
-             f"{sent} {human_bytes(sum(st['sent_bytes'].values()))}")
+             f"{sent} {human_bytes(sum(st['sent_bytes'].values()))}{quality}")
     return max(0.0, min(1.0, sum(fractions) / max(len(fractions), 1)))
 
 
@@ -407,6 +412,8 @@ def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     stream = _microbatches(train_batches(prepared.data.train, c.train.batch_size, c.seed, start=done), group)
     _keep_metrics(run_dir / "metrics.jsonl", done)
     segments: list[tuple[float, float]] = []
+    scoring = p.method == "spectrain" and p.probe > 0
+    last_scored: list[dict[str, Any]] | None = None  # stage stats at the last evaluation: prediction scores per window
     with open(run_dir / "metrics.jsonl", "a") as metrics:
         executor = _executor(prepared, stages, placement_group, bundle_offset, live, restarts, echo, done)
         try:
@@ -414,6 +421,8 @@ def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
                 restarts[-1]["recovery_s"] = time.perf_counter() - restarts[-1].pop("t_fail")
             progress = _Progress(c, metrics, echo, callbacks)
             progress.updates, progress.t0 = done, time.perf_counter() - run_s
+            if scoring and done:  # resumed: windows count from here, as they would have without the restart
+                last_scored = executor.stage_stats()
             try:  # every executor call: a stage can die in any of them
                 while done < end:
                     updates = _boundary(done, end, c.train.eval_every, ck.every) - done
@@ -427,7 +436,11 @@ def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
                         weights = executor.state_dict()
                         notify(callbacks, "on_weights", done, weights)
                         evals = evaluate(prepared.model, weights, prepared.data.val, c.train.eval_batch_size)
-                        progress.write({"step": done, **evals})
+                        scored = {}
+                        if scoring:
+                            scored_stats = executor.stage_stats()
+                            scored, last_scored = prediction_window(scored_stats, last_scored), scored_stats
+                        progress.write({"step": done, **evals, **scored})
                         echo(f"eval  {done:>6}  val_loss {evals['val_loss']:.4f}  val_accuracy {evals['val_accuracy']:.4f}")
                     if done == end or (ck.every and done % ck.every == 0):
                         store.save(done, {"config": config_json(c), "balance": list(prepared.balance),

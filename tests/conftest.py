@@ -39,12 +39,12 @@ def tiny():
 
 
 def make_stages(model, method, n, *, lr=0.05, momentum=0.9, weight_decay=1e-4, group=None, record=False,
-                backward="mixed", nesterov=False):
+                backward="mixed", nesterov=False, predictor="linear", probe=4096):
     group = group or 1
     parts = split(copy.deepcopy(model), uniform(len(model), n))
     return [
         Stage(p, k, n, policy=METHOD_POLICY[method], lr=lr, momentum=momentum, weight_decay=weight_decay,
-              group=group, record=record, backward=backward, nesterov=nesterov)
+              group=group, record=record, backward=backward, nesterov=nesterov, predictor=predictor, probe=probe)
         for k, p in enumerate(parts)
     ]
 

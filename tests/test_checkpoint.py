@@ -19,12 +19,13 @@ from rayspec.trainer import train
 QUIET = {"echo": lambda _: None}
 
 
-def settings(method: str, variant: str = "paper", executor: str = "local", **train_opts) -> dict:
+def settings(method: str, variant: str = "paper", executor: str = "local", predictor: str = "linear",
+             **train_opts) -> dict:
     return {
         "model": {"name": "mlp", "size": "tiny"},
         "data": {"name": "synthetic_image", "train_size": 320, "val_size": 64},
         "pipeline": {"method": method, "variant": variant, "stages": 3, "executor": executor, "microbatches": 2,
-                     "cpus_per_stage": 0.5},
+                     "cpus_per_stage": 0.5, "predictor": predictor},
         # 12 updates of 16 from 320 samples: the run crosses an epoch (20 batches) only when resumed late; eval_every
         # and checkpoint.every interleave so that segments end at 4, 5, 8, 10, 12.
         "train": {"max_steps": 12, "batch_size": 16, "log_every": 1, "eval_every": 4, **train_opts},
@@ -62,11 +63,13 @@ def interrupted_then_resumed(cfg: dict, tmp_path: Path, stop_at: int = 7, resume
     return train(from_mapping(resumed), tmp_path / "b", **QUIET)
 
 
-@pytest.mark.parametrize("method,variant", [("vanilla", "paper"), ("gpipe", "paper"), ("async", "paper"),
-                                            ("pipedream", "paper"), ("spectrain", "paper"),
-                                            ("spectrain", "consistent")])
-def test_resumed_run_equals_uninterrupted_run(tmp_path, method, variant):
-    cfg = settings(method, variant)
+@pytest.mark.parametrize("method,variant,predictor", [
+    ("vanilla", "paper", "linear"), ("gpipe", "paper", "linear"), ("async", "paper", "linear"),
+    ("pipedream", "paper", "linear"), ("spectrain", "paper", "linear"), ("spectrain", "consistent", "linear"),
+    ("spectrain", "paper", "adaptive"),  # the damping and the probe's pending predictions are checkpointed too
+])
+def test_resumed_run_equals_uninterrupted_run(tmp_path, method, variant, predictor):
+    cfg = settings(method, variant, predictor=predictor)
     full = train(from_mapping(cfg), tmp_path / "a", **QUIET)
     resumed = interrupted_then_resumed(cfg, tmp_path)
     assert resumed["resumed_from"] == 5 and full["resumed_from"] is None
@@ -77,6 +80,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, method, variant):
     assert steps_and_values(tmp_path / "a") == steps_and_values(tmp_path / "b")  # the same records, none twice
     assert resumed["updates"] == 12 and resumed["final_train_loss"] == full["final_train_loss"]
     assert [st["actions"] for st in resumed["stage_stats"]] == [st["actions"] for st in full["stage_stats"]]
+    assert [st.get("prediction") for st in resumed["stage_stats"]] == [st.get("prediction") for st in full["stage_stats"]]
     # keep=2: the final checkpoint and the one before it
     assert [p.name for p in CheckpointStore(tmp_path / "b" / "checkpoints").paths()] == \
         ["step_00000010.pt", "step_00000012.pt"]

@@ -22,9 +22,9 @@ def executor(request, ray_session, tiny):
     ex.close()
 
 
-def _run_ray(ex, model, data, method, variant="paper", backward="mixed", updates=UPDATES, batch=32):
+def _run_ray(ex, model, data, method, variant="paper", backward="mixed", updates=UPDATES, batch=32, predictor="linear"):
     group = 4 if method == "gpipe" else 1
-    ex.load(make_stages(model, method, N, group=group, backward=backward))
+    ex.load(make_stages(model, method, N, group=group, backward=backward, predictor=predictor))
     ex.method, ex.variant = method, variant
     schedule = build_schedule(METHOD_SCHEDULE[method], N, updates * group, group=group)
     seen = []
@@ -45,12 +45,19 @@ def test_ray_equals_local(executor, tiny, method):
     assert all(s["actions"]["F"] == s["actions"]["B"] == UPDATES * (4 if method == "gpipe" else 1) for s in stats)
 
 
-@pytest.mark.parametrize("variant,backward", [("consistent", "mixed"), ("paper", "recompute")])
-def test_ray_equals_local_spectrain_options(executor, tiny, variant, backward):
+@pytest.mark.parametrize("variant,backward,predictor", [("consistent", "mixed", "linear"),
+                                                       ("paper", "recompute", "linear"),
+                                                       ("paper", "mixed", "adaptive"),
+                                                       ("consistent", "mixed", "momentum")])
+def test_ray_equals_local_spectrain_options(executor, tiny, variant, backward, predictor):
     model, data = tiny
-    got, _ = _run_ray(executor, model, data, "spectrain", variant=variant, backward=backward)
-    ref = run_local(model, data, "spectrain", N, updates=UPDATES, variant=variant, backward=backward)[0]
+    got, _ = _run_ray(executor, model, data, "spectrain", variant=variant, backward=backward, predictor=predictor)
+    ref = run_local(model, data, "spectrain", N, updates=UPDATES, variant=variant, backward=backward,
+                    predictor=predictor)[0]
     assert_same_weights(got, ref.state_dict())
+    # each stage actor scores its predictions itself, and scores them as the reference does
+    scores = [st["prediction"] for st in executor.stage_stats()]
+    assert scores == [st["prediction"] for st in ref.stage_stats()] and scores[0]["actions"] > 0
 
 
 @pytest.mark.parametrize("method", ["vanilla", "gpipe"])

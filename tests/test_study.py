@@ -85,9 +85,19 @@ def test_tiny_study_end_to_end(tmp_path, capsys):
         assert cells[label, 4]["val_accuracy_change"] == pytest.approx(change, abs=1e-12)
         assert f"{100 * change:+.2f}" in table.split("Change of the final validation accuracy")[1].split("Relative")[0]
 
+    # SpecTrain runs are scored: over the run per stage (the last stage never predicts), and at each evaluation
+    for label in ("spectrain-paper", "spectrain-consistent"):
+        final = by[f"{label}-n4-seed0"]["final"]
+        assert [st["stage"] for st in final["prediction_stages"]] == ([0, 1, 2, 3] if label == "spectrain-paper"
+                                                                      else [0, 1, 2])
+        assert 0 < final["prediction_quality"] < 1 and final["prediction_best_scale"] > 0
+        assert [row[0] for row in by[f"{label}-n4-seed0"]["curves"]["prediction"]] == [4, 8]
+        row = next(line for line in table.split("prediction quality")[1].splitlines() if line.startswith(f"| `{label}` |"))
+        assert f"{cells[label, 4]['prediction_quality']:.3f}" in row
+    assert "prediction_quality" not in by["async-n4-seed0"]["final"]
     import matplotlib.image
 
-    for name in ("learning_curves.png", "distance.png"):
+    for name in ("learning_curves.png", "distance.png", "prediction.png"):
         assert (out / name).read_bytes()[:8] == PNG, name
         height, width, _ = matplotlib.image.imread(out / name).shape
         assert width > 500 and height > 300
@@ -167,7 +177,9 @@ def test_a_study_on_the_ray_executor_gives_the_local_table(tmp_path, ray_session
         ray_run = runs["ray"][name]
         assert ray_run["status"] == local["status"] == "ok"
         assert ray_run["overrides"] != local["overrides"] and "pipeline.executor=ray" in ray_run["overrides"]
-        for key in ("val_accuracy", "val_loss", "train_loss", "distance"):
+        for key in ("val_accuracy", "val_loss", "train_loss", "distance", "prediction_quality",
+                    "prediction_best_scale"):
             if local["final"].get(key) is not None:
                 assert ray_run["final"][key] == pytest.approx(local["final"][key], rel=1e-5, abs=1e-7), (name, key)
     assert runs["local"]["spectrain-consistent-n4-seed0"]["final"]["distance"] > 1e-4  # not two identical runs
+    assert runs["ray"]["spectrain-consistent-n4-seed0"]["final"]["prediction_quality"] is not None
