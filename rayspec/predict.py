@@ -33,6 +33,7 @@ version (they oscillate, and a linear extrapolation of them points the wrong way
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -79,16 +80,39 @@ class PredictionProbe:
             self.index.append(local.to(p.device))
             start += n
         self.size = int(chosen.numel())
+        self._used = {k for k, i in enumerate(self.index) if i.numel()}
+        self._held: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, weights, velocity) samples
+        self._zeros = {k: torch.zeros(len(i), dtype=params[k].dtype, device=params[k].device)
+                       for k, i in enumerate(self.index) if i.numel()}
         self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.totals = {"actions": 0, **{k: 0 if k in ("flipped", "coords") else 0.0 for k in SUMS}}
         self.recent = {"cross": 0.0, "step_sq": 0.0}  # exponentially decayed, for the adaptive predictor
 
-    def sample(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    def sample(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The sampled coordinates of parameter-shaped ``tensors`` (weights, velocity; None reads as zeros),
         in float64 on the CPU."""
-        parts = [torch.zeros(len(i), dtype=torch.float64) if t is None else t.detach().reshape(-1)[i].double().cpu()
-                 for t, i in zip(tensors, self.index) if i.numel()]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        parts = [t.detach().reshape(-1).index_select(0, i) if t is not None else self._zeros[k]
+                 for k, (t, i) in enumerate(zip(tensors, self.index)) if k in self._used]
+        if not parts:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat([q.to(parts[0].dtype) for q in parts]).to("cpu", torch.float64)
+
+    def held(self, version: int, params: list[torch.nn.Parameter],
+             velocity: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples of the stored weights and the velocity at ``version``, taken once per version (both change
+        only when the version does); call it only while the storage holds the stored weights."""
+        if self._held is None or self._held[0] != version:
+            self._held = (version, self.sample(params), self.sample(velocity))
+        return self._held[1], self._held[2]
+
+    def forget(self) -> None:
+        """Drop the samples of the held version (the stage's weights were replaced)."""
+        self._held = None
+
+    def to(self, device: torch.device) -> None:
+        """Sample tensors on ``device`` (the stage moved there)."""
+        self.index = [i.to(device) for i in self.index]
+        self._zeros = {k: z.to(device) for k, z in self._zeros.items()}
 
     def predicted(self, target: int, stale: torch.Tensor, predicted: torch.Tensor, paper_step: torch.Tensor) -> None:
         """An action ran at ``predicted`` weights for version ``target``; ``stale`` was stored, and the paper's
@@ -101,14 +125,13 @@ class PredictionProbe:
         waiting = self.pending.pop(version, None)
         if not waiting:
             return
-        true, v_now = self.sample(list(params)), self.sample(velocity)
+        true, v_now = self.held(version, params, velocity)
         for stale, pred, step in waiting:
             pred_sq, stale_sq = (pred - true).square(), (stale - true).square()
-            flipped = step * v_now > 0  # the step is -s*lr*v: same sign as v_now means v changed sign
-            sums = {"pred_sq": float(pred_sq.sum()), "stale_sq": float(stale_sq.sum()),
-                    "cross": float(((true - stale) * step).sum()), "step_sq": float(step.square().sum()),
-                    "pred_sq_flipped": float(pred_sq[flipped].sum()), "stale_sq_flipped": float(stale_sq[flipped].sum()),
-                    "flipped": int(flipped.sum()), "coords": int(true.numel())}
+            flipped = (step * v_now > 0).double()  # the step is -s*lr*v: same sign as v_now means v changed sign
+            values = torch.stack([pred_sq.sum(), stale_sq.sum(), ((true - stale) * step).sum(), step.square().sum(),
+                                  (pred_sq * flipped).sum(), (stale_sq * flipped).sum(), flipped.sum()]).tolist()
+            sums = dict(zip(SUMS[:6], values[:6]), flipped=int(values[6]), coords=int(true.numel()))
             self.totals["actions"] += 1
             for k, v in sums.items():
                 self.totals[k] += v
@@ -132,6 +155,7 @@ class PredictionProbe:
 
     def load(self, state: dict[str, Any]) -> None:
         """Continue from ``state()``; a state of another sample size (``pipeline.probe`` changed) starts afresh."""
+        self.forget()
         if state.get("coordinates") != self.size:
             return
         self.pending = {int(k): [tuple(t.clone() for t in entry) for entry in v] for k, v in state["pending"].items()}

@@ -341,7 +341,7 @@ class Stage:
         self.scratch = None
         self.device = device
         if self.probe is not None:
-            self.probe.index = [i.to(device) for i in self.probe.index]
+            self.probe.to(device)
         self._rng_devices = [device] if device.type == "cuda" else []
         if device.type == "cuda" and len(self.rng) == 1:
             with torch.random.fork_rng(devices=self._rng_devices):
@@ -381,8 +381,10 @@ class Stage:
         self.stash.clear()
         self.rng = tuple(t.clone() for t in state["rng"])
         self.stats = StageStats(**json.loads(state["stats"]))
-        if self.probe is not None and "probe" in state:
-            self.probe.load(state["probe"])
+        if self.probe is not None:
+            self.probe.forget()
+            if "probe" in state:
+                self.probe.load(state["probe"])
 
     def drained(self) -> bool:
         return not self.inflight and self.pending == 0
@@ -406,7 +408,7 @@ class _WeightSwap:
         st = self.stage
         before = [p.data.clone() for p in st.params] if st.record else None
         probe = st.probe if self.target is not None else None
-        stale = probe.sample([p.data for p in st.params]) if probe is not None else None
+        stale, velocity = probe.held(st.version, st.params, st.optimizer.buffers) if probe is not None else (None, None)
         if self.swaps is not None:
             scratch = self.restore if self.restore is not None else st._scratch()
             with torch.no_grad():
@@ -420,9 +422,9 @@ class _WeightSwap:
                         p.data.copy_(t)
                     else:
                         p.data.add_(t, alpha=alpha)
-        if probe is not None and stale is not None and self.target is not None:
-            paper = probe.sample(st.optimizer.buffers) * (-self.s * st.lr(st.version))
-            probe.predicted(self.target, stale, probe.sample([p.data for p in st.params]), paper)
+        if probe is not None and stale is not None and velocity is not None and self.target is not None:
+            paper = velocity * (-self.s * st.lr(st.version))
+            probe.predicted(self.target, stale, probe.sample(st.params), paper)
         if st.record:
             self.before = before
             self.used = [p.data.clone() for p in st.params]
