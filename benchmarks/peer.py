@@ -72,6 +72,11 @@ load average 3-6), full MLP split [3, 6], batch 256, M = 8, 20 steps x 3 pairs, 
   stage 0's forward takes 17-22 ms inside the stage against 9-10 for ``1f1b-flushed`` (object
   store runs). On this
   model a 32-sample micro-batch's compute is comparable to a pass over the weights.
+* Ray starts its workers at ``nice 15``. That is not the gap: with ``--worker-niceness 0`` (workers at
+  nice 0, as the driver and Ray's own processes) two runs gave ``gpipe`` 0.76 / 0.67 and
+  ``1f1b-flushed`` 0.66 / 0.61, against 0.68 / 0.70 and 0.71 / 0.73 at Ray's default
+  (``benchmarks/results/peer_nice{15,0}[_b].json``). ``benchmarks.hops`` shows where it does matter: a
+  hop next to two nice-0 processes that keep both cores busy.
 """
 
 from __future__ import annotations
@@ -609,7 +614,12 @@ def main() -> None:
     ap.add_argument("--runners", default=",".join(RAYSPEC_RUNNERS))
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--worker-niceness", type=int, default=None,
+                    help="RAY_worker_niceness of the Ray instance this starts (Ray's default: 15)")
+    ap.add_argument("--out", default="peer", help="result name: benchmarks/results/OUT.json")
     args = ap.parse_args()
+    if args.worker_niceness is not None:
+        os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
     steps, repeats = (5, 1) if args.quick else (args.steps, args.repeats)
     cfg = PeerConfig(args.model, args.size, args.batch, args.microbatches, args.lr, args.momentum)
     runners = [r for r in args.runners.split(",") if r]
@@ -691,7 +701,7 @@ def main() -> None:
                     **{k: f"{r['torch_busy_ms'][k]:.1f}" for k in keys}} for r in rows],
                 ["runner", "transport", *keys]))
     print("\none hop of the activation, ms: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in hops.items()))
-    path = write("peer", {"config": asdict(cfg), "balance": balance, "steps": steps, "warmup": args.warmup,
+    path = write(args.out, {"config": asdict(cfg), "worker_niceness": os.environ.get("RAY_worker_niceness", "15"), "balance": balance, "steps": steps, "warmup": args.warmup,
                           "repeats": repeats, "activation_shape": list(act_shape),
                           "compute_ms": {f"{k}{kind}": v * 1e3 for (k, kind), v in compute.items()},
                           "hop_ms": {k: v * 1e3 for k, v in hops.items()}, "rows": rows})
