@@ -121,3 +121,17 @@ def test_rayspec_vs_torch_compare(ray_session):
         assert len(row["rayspec_losses"]) == len(row["torch_losses"]) == 3
         assert all(v > 0 for v in row["rayspec_busy_ms"].values())
     assert peer.ray_hop_s("object_store", (4, 64), count=10) > 0
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_cpu():
+    """The GPU check script's every path but CUDA placement: Ray stage actors equal the local executor."""
+    import subprocess
+
+    res = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--updates", "4",
+                          "--timed", "2", "--transports", "object_store"], capture_output=True, text=True,
+                         timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith("object_store")]
+    assert [r[1] for r in rows] == ["vanilla", "gpipe", "async", "pipedream", "spectrain"]
+    assert all(r[3] == "True" for r in rows)
