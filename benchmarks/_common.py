@@ -66,25 +66,31 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def stage_actor_processes() -> list:
-    """This driver's live stage actor processes (Ray titles them ``ray::StageActor...``), oldest first."""
+def actor_processes(title: str = "StageActor") -> list:
+    """This process's live actor processes of one class (Ray titles them ``ray::<title>...``), oldest first."""
     import psutil
 
     found = []
     for proc in psutil.Process().children(recursive=True):
         try:
-            if " ".join(proc.cmdline()).startswith("ray::StageActor"):
+            if " ".join(proc.cmdline()).startswith(f"ray::{title}"):
                 found.append(proc)
         except psutil.Error:
             continue
     return sorted(found, key=lambda p: p.create_time())
 
 
-class KillStage:
-    """A run callback: at update ``at``, SIGKILL the newest stage actor's process (the running pipeline's last stage)."""
+def stage_actor_processes() -> list:
+    """This process's live stage actor processes, oldest first."""
+    return actor_processes("StageActor")
 
-    def __init__(self, at: int) -> None:
-        self.at = at
+
+class KillActor:
+    """A run callback: at update ``at``, SIGKILL the newest actor process titled ``title``: by default the
+    running pipeline's last stage; ``DriverActor`` for the run's driver actor."""
+
+    def __init__(self, at: int, title: str = "StageActor") -> None:
+        self.at, self.title = at, title
         self.pid: int | None = None
         self.killed_at: float | None = None  # time.time() of the kill
 
@@ -92,8 +98,8 @@ class KillStage:
         import signal
 
         if self.pid is None and "loss" in record and record["step"] >= self.at:
-            victims = stage_actor_processes()
+            victims = actor_processes(self.title)
             if not victims:
-                raise RuntimeError("no stage actor process found under this driver")
+                raise RuntimeError(f"no {self.title} process found under this process")
             self.pid, self.killed_at = victims[-1].pid, time.time()
             os.kill(self.pid, signal.SIGKILL)

@@ -1,14 +1,17 @@
-"""Recovery from a dead stage actor: detection and restart times, updates lost, and what checkpoints cost.
+"""Recovery from a dead stage actor and a dead driver actor: detection and restart times, updates lost, and
+what checkpoints cost.
 
     python -m benchmarks.recovery [--quick] [--every 10] [--steps 60] [--kill-at 25]
 
-Three Ray runs of the same spectrain pipeline (4 stages, one process per stage) in one Ray instance:
+Four Ray runs of the same spectrain pipeline (4 stages, one process per stage) in one Ray instance:
 no checkpoints; a checkpoint every ``--every`` updates; the same, with the last stage actor's
-process killed (SIGKILL) at update ``--kill-at`` and ``fault.max_restarts=1``. Reported: seconds
-from the kill to the driver noticing it, from noticing to the stages running again (the dead
-actor replaced, every stage reloaded from the checkpoint), the
-updates lost (done since the last checkpoint, redone), the wall-time ratios of the three runs, and
-whether the recovered run's weights equal the uninterrupted one's.
+process killed (SIGKILL) at update ``--kill-at`` and ``fault.max_restarts=1``; the same with the
+driver actor's process killed instead. Reported for each kill: seconds from the kill to the run
+noticing it (the driver actor for a stage, the calling process for the driver), from noticing to the
+stages running again (a stage: the dead actor replaced and every stage reloaded; the driver: a new
+driver actor and new stage actors, every stage loaded), the updates lost (done since the last
+checkpoint, redone), the wall-time ratios, and whether the recovered run's weights equal the
+uninterrupted one's.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import KillStage, start_ray, table, write
+from benchmarks._common import KillActor, start_ray, table, write
 from rayspec.config import from_mapping
 from rayspec.trainer import train
 
@@ -52,33 +55,36 @@ def main() -> None:
         root = Path(tmp)
         plain = train(from_mapping(settings(steps, 0, size)), root / "plain", **quiet)
         ckpt = train(from_mapping(settings(steps, args.every, size)), root / "ckpt", **quiet)
-        killer = KillStage(kill_at)
-        t0 = time.perf_counter()
-        killed = train(from_mapping(settings(steps, args.every, size, restarts=1)), root / "killed",
-                       callbacks=[killer], **quiet)
-        killed_wall = time.perf_counter() - t0
         a = torch.load(root / "ckpt" / "model.pt", weights_only=True)
-        b = torch.load(root / "killed" / "model.pt", weights_only=True)
-        diff = max((a[k] - b[k]).abs().max().item() for k in a)
-    (restart,) = killed["restarts"]
-    result = {
-        "model": f"mlp/{size}", "stages": 4, "updates": steps, "checkpoint_every": args.every, "kill_at": kill_at,
-        "detect_s": restart["failed_at"] - killer.killed_at, "recovery_s": restart["recovery_s"],
-        "lost_updates": restart["lost_updates"], "resumed_from": restart["resumed_from"],
-        "replaced_stages": restart.get("replaced_stages"),
-        "wall_s": {"plain": plain["wall_s"], "checkpoints": ckpt["wall_s"], "killed": killed_wall},
-        "checkpoint_cost": ckpt["wall_s"] / plain["wall_s"], "killed_over_checkpoints": killed_wall / ckpt["wall_s"],
-        "max_weight_diff_vs_uninterrupted": diff,
-    }
-    rows = [
-        ("kill -> driver notices (s)", f"{result['detect_s']:.2f}"),
-        ("notices -> stages running again (s)", f"{result['recovery_s']:.2f}"),
-        ("stage actors replaced", f"{result['replaced_stages']}"),
-        ("updates lost and redone", f"{result['lost_updates']} (resumed from {result['resumed_from']})"),
-        (f"wall, checkpoint every {args.every} / none", f"{result['checkpoint_cost']:.2f}"),
-        ("wall, killed once / not killed", f"{result['killed_over_checkpoints']:.2f}"),
-        ("max |weight diff| vs uninterrupted", f"{diff:.1e}"),
-    ]
+        result: dict = {"model": f"mlp/{size}", "stages": 4, "updates": steps, "checkpoint_every": args.every,
+                        "kill_at": kill_at, "wall_s": {"plain": plain["wall_s"], "checkpoints": ckpt["wall_s"]},
+                        "checkpoint_cost": ckpt["wall_s"] / plain["wall_s"]}
+        for victim, title in (("stage", "StageActor"), ("driver", "DriverActor")):
+            killer = KillActor(kill_at, title)
+            t0 = time.perf_counter()
+            killed = train(from_mapping(settings(steps, args.every, size, restarts=1)), root / f"killed-{victim}",
+                           callbacks=[killer], **quiet)
+            wall = time.perf_counter() - t0
+            b = torch.load(root / f"killed-{victim}" / "model.pt", weights_only=True)
+            (restart,) = killed["restarts"]
+            result["wall_s"][f"killed_{victim}"] = wall
+            result[victim] = {
+                "detect_s": restart["failed_at"] - killer.killed_at, "recovery_s": restart["recovery_s"],
+                "lost_updates": restart["lost_updates"], "resumed_from": restart["resumed_from"],
+                "replaced_stages": restart.get("replaced_stages"), "killed_over_checkpoints": wall / ckpt["wall_s"],
+                "max_weight_diff_vs_uninterrupted": max((a[k] - b[k]).abs().max().item() for k in a),
+            }
+    rows = [(f"wall, checkpoint every {args.every} / none", f"{result['checkpoint_cost']:.2f}")]
+    for victim in ("stage", "driver"):
+        r = result[victim]
+        rows += [
+            (f"{victim} killed -> noticed (s)", f"{r['detect_s']:.2f}"),
+            (f"{victim}: noticed -> stages running again (s)", f"{r['recovery_s']:.2f}"),
+            (f"{victim}: stage actors replaced", f"{r['replaced_stages'] or 'all'}"),
+            (f"{victim}: updates lost and redone", f"{r['lost_updates']} (resumed from {r['resumed_from']})"),
+            (f"{victim}: wall, killed once / not killed", f"{r['killed_over_checkpoints']:.2f}"),
+            (f"{victim}: max |weight diff| vs uninterrupted", f"{r['max_weight_diff_vs_uninterrupted']:.1e}"),
+        ]
     print(table([{"figure": f, "value": v} for f, v in rows], ["figure", "value"]))
     if not args.quick:
         print(f"wrote {write('recovery', result)}")

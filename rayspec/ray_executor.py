@@ -27,7 +27,8 @@ from rayspec.executor import Executor, MicrobatchFeed, check_stages, fused_backw
 from rayspec.schedule import Schedule
 from rayspec.stage import Activation, Stage
 
-__all__ = ["RayExecutor", "StageActor", "TRANSPORTS", "resolve_transport", "actor_died", "task_cause"]
+__all__ = ["RayExecutor", "StageActor", "TRANSPORTS", "resolve_transport", "reserve_stages", "bundle_resources",
+           "actor_died", "task_cause"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,30 @@ def default_gpus(available: float, stages: int) -> float:
             "or set pipeline.gpus_per_stage (0 for CPU stages)"
         )
     return 1.0 if available else 0.0
+
+
+def reserve_stages(stages: int, cpus: float, gpus: float, strategy: str = "PACK",
+                   timeout_s: float = 120.0) -> PlacementGroup:
+    """A placement group of one ``{CPU: cpus, GPU: gpus}`` bundle per stage, ready; raises ``ConfigError``
+    naming what is missing when the cluster cannot place it within ``timeout_s``."""
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    group = ray.util.placement_group([bundle] * stages, strategy=strategy)
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        have = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        raise ConfigError(
+            f"the Ray cluster could not place {stages} stage bundle(s) of {bundle} ({strategy}) in {timeout_s:g} s; "
+            f"it has {have or 'none'} free: lower pipeline.stages or pipeline.cpus_per_stage/gpus_per_stage, "
+            "or add nodes"
+        )
+    return group
+
+
+def bundle_resources(group: PlacementGroup, index: int) -> tuple[float, float]:
+    """The CPUs and GPUs that bundle ``index`` of ``group`` holds."""
+    spec = group.bundle_specs[index]
+    return float(spec.get("CPU", 0.0)), float(spec.get("GPU", 0.0))
 
 
 def actor_died(err: BaseException) -> bool:
@@ -204,9 +229,7 @@ class RayExecutor(Executor):
         self.max_in_flight = max_in_flight
         self._owns_pg = placement_group is None
         if placement_group is None:
-            bundle = {"CPU": cpus_per_stage, **({"GPU": gpus_per_stage} if gpus_per_stage else {})}
-            placement_group = ray.util.placement_group([bundle] * self.num_stages, strategy=placement_strategy)
-            ray.get(placement_group.ready())
+            placement_group = reserve_stages(self.num_stages, cpus_per_stage, gpus_per_stage, placement_strategy)
             bundle_offset = 0
         self.pg = placement_group
         self._resources = (cpus_per_stage, gpus_per_stage, bundle_offset)
@@ -380,4 +403,4 @@ class RayExecutor(Executor):
         self.actors = []
         if getattr(self, "_owns_pg", False) and getattr(self, "pg", None) is not None:
             remove_placement_group(self.pg)
-            self.pg = None
+            self._owns_pg = False  # removed once

@@ -166,10 +166,14 @@ def make_executor(prepared: Prepared, stages: list[Stage], placement_group: Any 
     p = prepared.config.pipeline
     if p.executor == "local":
         return LocalExecutor(stages, p.method, p.variant)
-    from rayspec.ray_executor import RayExecutor, ensure_ray, stage_resources
+    from rayspec.ray_executor import RayExecutor, bundle_resources, ensure_ray, stage_resources
 
     ensure_ray(prepared.config.ray)
     cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages)
+    if placement_group is not None:  # what the bundles hold, unless set
+        held = bundle_resources(placement_group, bundle_offset)
+        cpus = cpus if p.cpus_per_stage is not None else held[0]
+        gpus = gpus if p.gpus_per_stage is not None else held[1]
     return RayExecutor(
         stages, p.method, p.variant, transport=p.transport, cpus_per_stage=cpus, gpus_per_stage=gpus,
         max_in_flight=p.max_in_flight, placement_strategy=p.placement.upper(), placement_group=placement_group,
@@ -268,7 +272,10 @@ def train(
         callbacks: objects with any of ``on_start(config)``, ``on_metrics(record)`` (every record written
             to ``metrics.jsonl``: per-step ``loss`` records and per-evaluation ``val_*`` records) and
             ``on_end(summary)``; ``on_end`` is also called, with ``None``, when training fails. Pipeline methods
-            also call ``on_weights(step, state_dict)`` at every evaluation with the merged weights evaluated.
+            also call ``on_weights(step, state_dict)`` at every evaluation with the merged weights evaluated,
+            and ``on_restart(index, record)`` when a restart after a failure is done (the record is
+            ``summary.json``'s ``restarts[index]``). With ``pipeline.executor=ray`` the run loop runs in a
+            driver actor and callbacks run here, on what it streams back (``rayspec.driver``).
         placement_group: a Ray placement group to create the stage actors in (a Tune trial's), stage ``k``
             in bundle ``bundle_offset + k``; by default the Ray executor creates its own.
         bundle_offset: the first stage bundle in ``placement_group``.
@@ -291,7 +298,12 @@ def train(
         echo(f"resuming from {prepared.resume_path} (update {prepared.resume['step']})")  # type: ignore[index]
     notify(callbacks, "on_start", config)
     try:
-        summary = _run(prepared, run_dir, echo, callbacks, placement_group, bundle_offset)
+        if p.executor == "ray" and p.method != "dataparallel":  # the run loop in a driver actor (rayspec.driver)
+            from rayspec.driver import run_in_driver
+
+            summary = run_in_driver(prepared, run_dir, echo, callbacks, placement_group, bundle_offset)
+        else:
+            summary = _run(prepared, run_dir, echo, callbacks, placement_group, bundle_offset)
     except BaseException:
         notify(callbacks, "on_end", None)
         raise
@@ -351,8 +363,15 @@ class StageDied(RuntimeError):
 
 
 def _run(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbacks: Sequence[Any],
-         placement_group: Any, bundle_offset: int) -> dict[str, Any]:
-    """Run to the end; when a stage actor dies, restart from the last checkpoint up to ``fault.max_restarts`` times."""
+         placement_group: Any, bundle_offset: int, *, resume: dict[str, Any] | None | str = "prepared",
+         resume_path: Path | None = None, restarts: list[dict[str, Any]] | None = None,
+         started: float | None = None) -> dict[str, Any]:
+    """Run to the end; when a stage actor dies, restart from the last checkpoint up to ``fault.max_restarts`` times.
+
+    ``resume`` (the loaded checkpoint at ``resume_path``), ``restarts`` (the restarts so far, which count
+    towards ``fault.max_restarts``) and ``started`` (``time.time()`` of the run's start) continue a run
+    whose driver was lost; by default the run starts from ``prepared.resume``.
+    """
     c = prepared.config
     if c.pipeline.method == "dataparallel":  # no schedule or stage actors: Ray Train workers (rayspec.dataparallel)
         from rayspec.dataparallel import run_dataparallel
@@ -360,16 +379,18 @@ def _run(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbac
         return run_dataparallel(prepared, run_dir, echo, callbacks, placement_group)
     assert prepared.checkpoints is not None  # train() always gives prepare() the run directory
     store = CheckpointStore(prepared.checkpoints, c.checkpoint.keep)
-    restarts: list[dict[str, Any]] = []
-    resume = prepared.resume
-    t_start = time.perf_counter()
+    store.last_saved = resume_path  # a lost driver's newest checkpoint, which this run goes on from
+    restarts = [] if restarts is None else restarts
+    if isinstance(resume, str):
+        resume = prepared.resume
+    wall_start = time.time() if started is None else started
     live: list[Executor] = []  # the executor kept across a restart, to replace only its dead actors
     while True:
         try:
             return _run_pipeline(prepared, run_dir, echo, callbacks, placement_group, bundle_offset, store, resume,
-                                 restarts, t_start, live)
+                                 restarts, wall_start, live)
         except StageDied as err:
-            t_fail = time.perf_counter()
+            failed_at = time.time()
             if len(restarts) >= c.fault.max_restarts:
                 for executor in live:
                     executor.close()
@@ -380,9 +401,8 @@ def _run(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbac
             latest = _last(store, prepared)
             resume = load_checkpoint(latest) if latest is not None else None
             step = resume["step"] if resume is not None else 0
-            restarts.append({"failed_at_update": err.updates, "resumed_from": step,
-                             "lost_updates": err.updates - step, "error": str(err), "t_fail": t_fail,
-                             "failed_at": time.time()})
+            restarts.append({"kind": "stage", "failed_at_update": err.updates, "resumed_from": step,
+                             "lost_updates": err.updates - step, "error": str(err), "failed_at": failed_at})
             echo(f"restart {len(restarts)}/{c.fault.max_restarts}: {err}; resuming from update {step} "
                  f"({latest or 'the start'})")
 
@@ -399,7 +419,7 @@ def _boundary(done: int, end: int, *every: int) -> int:
 
 def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbacks: Sequence[Any],
                   placement_group: Any, bundle_offset: int, store: CheckpointStore, resume: dict[str, Any] | None,
-                  restarts: list[dict[str, Any]], t_start: float, live: list[Executor]) -> dict[str, Any]:
+                  restarts: list[dict[str, Any]], wall_start: float, live: list[Executor]) -> dict[str, Any]:
     c, p, ck = prepared.config, prepared.config.pipeline, prepared.config.checkpoint
     stages = build_stages(prepared)  # on CPU; a stage actor given a GPU moves its stage there
     done, run_s, evals = 0, 0.0, {}
@@ -418,7 +438,8 @@ def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
         executor = _executor(prepared, stages, placement_group, bundle_offset, live, restarts, echo, done)
         try:
             if restarts and "recovery_s" not in restarts[-1]:
-                restarts[-1]["recovery_s"] = time.perf_counter() - restarts[-1].pop("t_fail")
+                restarts[-1]["recovery_s"] = time.time() - restarts[-1]["failed_at"]
+                notify(callbacks, "on_restart", len(restarts) - 1, dict(restarts[-1]))
             progress = _Progress(c, metrics, echo, callbacks)
             progress.updates, progress.t0 = done, time.perf_counter() - run_s
             if scoring and done:  # resumed: windows count from here, as they would have without the restart
@@ -450,6 +471,7 @@ def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
                 state = executor.state_dict()
                 stats = executor.stage_stats()
                 timeline = executor.timeline() if c.trace else None
+                nodes = executor.node_ids() if hasattr(executor, "node_ids") else None
             except Exception as err:
                 _reraise(err, progress.updates, _last(store, prepared))
         except StageDied:
@@ -473,9 +495,10 @@ def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
         echo(f"trace: {run_dir / 'trace.json'} (open in https://ui.perfetto.dev), {run_dir / 'timeline.png'}")
     sent = sum(sum(st["sent_bytes"].values()) for st in stats)
     summary = write_summary(prepared, run_dir, echo, transport=p.transport, updates=done, last_loss=progress.last_loss,
-                            evals=evals, train_s=run_s, wall_s=time.perf_counter() - t_start, bubble=bubble,
+                            evals=evals, train_s=run_s, wall_s=time.time() - wall_start, bubble=bubble,
                             bytes_per_update=sent / max(done, 1), stats=stats,
                             extra={"restarts": restarts, "checkpoint": str(_last(store, prepared)),
+                                   **({"stage_nodes": nodes, "driver_node": _this_node()} if nodes else {}),
                                    "resumed_from": None if prepared.resume is None else prepared.resume["step"]})
     return summary
 
@@ -501,6 +524,12 @@ def _executor(prepared: Prepared, stages: list[Stage], placement_group: Any, bun
         _reraise(err, done)
     live.append(executor)
     return executor
+
+
+def _this_node() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def _reraise(err: Exception, updates: int, last: Path | None = None) -> NoReturn:

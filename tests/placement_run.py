@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import ray
 import ray._common.utils
@@ -44,22 +43,16 @@ def main(out_dir: Path, temp: str) -> None:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         placed: dict[str, list[str]] = {}
-        real = trainer.make_executor
-
-        def recording(*args: Any, **kwargs: Any) -> Any:
-            executor = real(*args, **kwargs)
-            if hasattr(executor, "node_ids"):  # the Ray executor
-                placed[name] = executor.node_ids()
-            return executor
-
-        trainer.make_executor = recording
+        drivers: dict[str, str] = {}
         losses = {}
         for name, extra in (("spread", ["pipeline.placement=spread"]), ("pack", ["pipeline.placement=pack"]),
                             ("local", ["pipeline.executor=local"])):
             config = from_mapping(compose(OVERRIDES + extra))
             summary = trainer.train(config, out_dir / name, echo=lambda line: None)
             losses[name] = summary["final_train_loss"]
-        print(json.dumps({"nodes": nodes, "placed": placed, "loss": losses}))
+            if "stage_nodes" in summary:  # the Ray executor
+                placed[name], drivers[name] = summary["stage_nodes"], summary["driver_node"]
+        print(json.dumps({"nodes": nodes, "placed": placed, "drivers": drivers, "loss": losses}))
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -164,8 +164,11 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
     assert torch.equal(load_checkpoint(store.latest())["x"], torch.ones(3))
 
 
-def test_non_finite_loss_names_the_update_and_stage_and_keeps_the_last_checkpoint(tmp_path):
-    cfg = settings("spectrain", max_steps=40)
+@pytest.mark.parametrize("executor", ["local", "ray"])  # ray: raised in the driver actor, re-raised here
+def test_non_finite_loss_names_the_update_and_stage_and_keeps_the_last_checkpoint(executor, tmp_path, request):
+    if executor == "ray":
+        request.getfixturevalue("ray_session")
+    cfg = settings("spectrain", executor=executor, max_steps=40)
     cfg["optim"] = {"lr": 40.0, "momentum": 0.9}  # diverges within a few dozen updates
     cfg["checkpoint"] = {"every": 2}
     with pytest.raises(FloatingPointError) as info:

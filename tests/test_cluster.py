@@ -242,7 +242,7 @@ def test_job_submit_to_a_ray_start_head(head, tmp_path):
 def test_spread_puts_each_stage_on_its_own_node_with_the_same_numbers(tmp_path):
     """Three Ray nodes on this machine: ``placement=spread`` puts each stage actor on its own node, ``pack``
     keeps them on one node (each could hold all three), and both give the local executor's final weights
-    and loss."""
+    and loss; the driver actor runs on the calling process's node."""
     temp = Path(tempfile.mkdtemp(prefix="rs-nodes-"))  # short: Ray's socket paths live under it
     token = temp / "auth_token"
     token.write_text(secrets.token_hex(32))
@@ -267,6 +267,7 @@ def test_spread_puts_each_stage_on_its_own_node_with_the_same_numbers(tmp_path):
     spread, pack, nodes = result["placed"]["spread"], result["placed"]["pack"], result["nodes"]
     assert len(set(nodes)) == 3 and sorted(set(spread)) == sorted(nodes), result
     assert len(set(pack)) == 1 and pack[0] in nodes, result
+    assert result["drivers"]["spread"] == result["drivers"]["pack"] == nodes[0], result  # the caller's node
     assert result["loss"]["spread"] == result["loss"]["pack"], result
     weights = {name: torch.load(tmp_path / name / "model.pt") for name in ("spread", "pack", "local")}
     for name in weights["local"]:

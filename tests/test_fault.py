@@ -1,14 +1,15 @@
-"""A stage actor whose process is killed mid-run: the driver restarts the stages from the last checkpoint and
+"""A stage actor or the driver actor killed mid-run: the run restarts from the last checkpoint and
 finishes with the planned updates and the weights of an uninterrupted run."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 
-from benchmarks._common import KillStage, stage_actor_processes
+from benchmarks._common import KillActor, actor_processes, stage_actor_processes
 from rayspec.config import from_mapping
 from rayspec.trainer import RunFailed, train
 
@@ -28,7 +29,7 @@ def settings(executor: str = "ray", max_restarts: int = 2) -> dict:
 
 
 def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_session):
-    killer = KillStage(at=12)
+    killer = KillActor(at=12)
     lines: list[str] = []
     summary = train(from_mapping(settings()), tmp_path / "ray", echo=lines.append, callbacks=[killer])
     assert killer.pid is not None and killer.pid not in [p.pid for p in stage_actor_processes()]
@@ -51,8 +52,68 @@ def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_
 
 def test_without_restarts_a_dead_stage_stops_the_run_and_names_the_checkpoint(tmp_path, ray_session):
     with pytest.raises(RunFailed) as info:
-        train(from_mapping(settings(max_restarts=0)), tmp_path, callbacks=[KillStage(at=7)], **QUIET)
+        train(from_mapping(settings(max_restarts=0)), tmp_path, callbacks=[KillActor(at=7)], **QUIET)
     text = str(info.value)
     assert "a stage actor died after update" in text and "fault.max_restarts=0" in text
-    assert "step_00000005.pt" in text and "checkpoint.resume=auto" in text
+    # The callback runs on what the driver actor streams back, a few updates behind it: the run may have
+    # written the checkpoint of update 10 before the kill. The error names the newest one.
+    newest = sorted((tmp_path / "checkpoints").glob("step_*.pt"))[-1]
+    assert newest.name in ("step_00000005.pt", "step_00000010.pt") and str(newest) in text, text
+    assert "checkpoint.resume=auto" in text
+    assert not (tmp_path / "summary.json").exists()
+
+
+def _no_actors_left(timeout_s: float = 20.0) -> bool:
+    """No stage or driver actor process of this session is left (within ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while stage_actor_processes() or actor_processes("DriverActor"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_killed_driver_actor_is_replaced_and_the_run_resumes_from_the_last_checkpoint(tmp_path, ray_session):
+    """The run loop's actor is SIGKILLed: its stage actors go with it, a new driver actor resumes from the
+    newest checkpoint, and the run ends with the weights of an uninterrupted run."""
+    killer = KillActor(at=12, title="DriverActor")
+    lines: list[str] = []
+    summary = train(from_mapping(settings()), tmp_path / "ray", echo=lines.append, callbacks=[killer])
+    assert killer.pid is not None and summary["updates"] == 30
+    (restart,) = summary["restarts"]
+    assert restart["kind"] == "driver" and "the driver actor died after update" in restart["error"]
+    assert restart["resumed_from"] % 5 == 0 and restart["resumed_from"] <= restart["failed_at_update"]
+    assert restart["failed_at_update"] >= 12 and restart["recovery_s"] > 0
+    assert any(line.startswith("restart 1/2:") and "new driver actor" in line for line in lines)
+    records = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 31))
+    assert _no_actors_left()  # the dead driver's stages and the finished run's
+    train(from_mapping(settings("local")), tmp_path / "local", **QUIET)
+    a = torch.load(tmp_path / "ray" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_without_restarts_a_dead_driver_actor_stops_the_run_and_names_the_checkpoint(tmp_path, ray_session):
+    with pytest.raises(RunFailed) as info:
+        train(from_mapping(settings(max_restarts=0)), tmp_path, callbacks=[KillActor(at=7, title="DriverActor")],
+              **QUIET)
+    text = str(info.value)
+    assert "the driver actor died after update" in text and "fault.max_restarts=0" in text
+    newest = sorted((tmp_path / "checkpoints").glob("step_*.pt"))[-1]
+    assert str(newest) in text and "checkpoint.resume=auto" in text
+    assert not (tmp_path / "summary.json").exists()
+    assert _no_actors_left()
+
+
+def test_a_callback_error_stops_the_driver_actor_and_its_stages(tmp_path, ray_session):
+    class Stop:
+        def on_metrics(self, record: dict) -> None:
+            if record.get("step", 0) >= 5:
+                raise KeyError("stop here")
+
+    with pytest.raises(KeyError, match="stop here"):
+        train(from_mapping(settings()), tmp_path, callbacks=[Stop()], **QUIET)
+    assert _no_actors_left()
     assert not (tmp_path / "summary.json").exists()

@@ -113,3 +113,12 @@ def test_a_stage_moved_to_cuda_trains_like_the_cpu_one(tiny):
         gpu.backward(m, update=True)
     for k, v in cpu.state_dict().items():
         torch.testing.assert_close(gpu.state_dict()[k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_stage_bundles_the_cluster_cannot_hold_are_a_clear_error(ray_session):
+    from rayspec.config import ConfigError
+    from rayspec.ray_executor import reserve_stages
+
+    with pytest.raises(ConfigError, match=r"could not place 2 stage bundle\(s\) of \{'CPU': 5.0\} \(PACK\) in 1 s.*"
+                                          r"lower pipeline.stages or pipeline.cpus_per_stage"):
+        reserve_stages(2, 5.0, 0.0, timeout_s=1)
