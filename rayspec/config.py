@@ -15,7 +15,7 @@ __all__ = ["TRANSPORTS", "ConfigError", "Config", "PipelineConfig", "OptimConfig
 
 METHODS = ("dataparallel", *METHOD_SCHEDULE)  # dataparallel has no pipeline schedule: rayspec.dataparallel
 PARTITIONS = ("uniform", "parameters", "profile")
-TRANSPORTS = ("auto", "object_store", "gloo", "nccl")
+TRANSPORTS = ("auto", "object_store", "gloo", "nccl", "compiled")
 LOGGERS = ("none", "wandb")
 
 
@@ -41,8 +41,9 @@ class PipelineConfig:
     """``gpipe``: micro-batches each batch is split into (accumulated per update). Others: unused."""
     executor: Literal["local", "ray"] = "ray"
     """``local``: all stages in this process (the reference); ``ray``: one actor per stage."""
-    transport: Literal["auto", "object_store", "gloo", "nccl"] = "auto"
-    """How activations move: ``auto`` = nccl RDT on GPUs, zero-copy object store on CPU."""
+    transport: Literal["auto", "object_store", "gloo", "nccl", "compiled"] = "auto"
+    """How activations move: ``auto`` = nccl RDT on GPUs, zero-copy object store on CPU; ``compiled``: a Ray
+    Compiled Graph (shared-memory channels on a node, NCCL between GPUs), no Ray task per action."""
     partition: Literal["uniform", "parameters", "profile"] = "uniform"
     """How blocks are split among stages when ``balance`` is not given."""
     balance: list[int] | None = None

@@ -22,6 +22,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rayspec.compiled import ChunkRunner, CompiledPipeline
 from rayspec.config import TRANSPORTS, ConfigError
 from rayspec.executor import Executor, MicrobatchFeed, check_stages, fused_backward, plan, stats_of
 from rayspec.schedule import Schedule
@@ -110,7 +111,8 @@ def task_cause(err: BaseException) -> BaseException:
 
 
 def resolve_transport(transport: str, use_gpu: bool) -> str:
-    """``auto`` is ``nccl`` RDT on GPUs and the (zero-copy) object store on CPU (DESIGN §3)."""
+    """``auto`` is ``nccl`` RDT on GPUs and the (zero-copy) object store on CPU (DESIGN §3); ``compiled`` is
+    a Ray Compiled Graph over the same actors (``rayspec.compiled``)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"pipeline.transport={transport!r} is unknown; choose one of {', '.join(TRANSPORTS)}")
     if transport == "auto":
@@ -119,7 +121,7 @@ def resolve_transport(transport: str, use_gpu: bool) -> str:
 
 
 @ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
-class StageActor:
+class StageActor(ChunkRunner):
     """A thin Ray wrapper around one ``Stage``; logs carry a ``[stage k]`` prefix."""
 
     def __init__(self, stage: Stage, threads: int = 1) -> None:
@@ -197,11 +199,12 @@ class RayExecutor(Executor):
     Args:
         stages: the stages to ship to the actors (their current weights and settings).
         method, variant: as for ``LocalExecutor``.
-        transport: ``auto``, ``object_store``, ``gloo`` or ``nccl`` (see ``resolve_transport``).
+        transport: ``auto``, ``object_store``, ``gloo``, ``nccl`` or ``compiled`` (see ``resolve_transport``).
         cpus_per_stage: CPUs reserved by each stage actor (fractional is fine on CPU).
         gpus_per_stage: GPUs per stage actor (1 on GPU machines, 0 on CPU).
         max_in_flight: micro-batches allowed between their stage-0 forward and backward; raised
-            to what the schedule itself needs; default twice that.
+            to what the schedule itself needs; default twice that (``compiled``: what the schedule needs).
+        chunk: ``compiled`` only: micro-batches per execution of the compiled graph.
         placement_group: a group to place the stages in (e.g. a Tune trial's), stage ``k`` in
             bundle ``bundle_offset + k``; by default the executor creates and owns one.
         placement_strategy: ``PACK`` or ``SPREAD`` for the group it creates.
@@ -220,6 +223,7 @@ class RayExecutor(Executor):
         placement_group: PlacementGroup | None = None,
         bundle_offset: int = 0,
         placement_strategy: str = "PACK",
+        chunk: int = 16,
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("call ray.init() before creating a RayExecutor")
@@ -240,6 +244,14 @@ class RayExecutor(Executor):
             from ray.experimental.collective import create_collective_group
 
             create_collective_group(self.actors, backend=self.transport)
+        self._compiled = None
+        if self.transport == "compiled":
+            self._compiled = CompiledPipeline(self.actors, chunk, nccl=gpus_per_stage >= 1)
+            if gpus_per_stage == 0 and cpus_per_stage < 1:
+                log.warning("pipeline.transport=compiled with %.2g CPUs per stage: a compiled graph's stage spins a "
+                            "core while it waits, so stages that share cores slow each other down; give each stage "
+                            "a core (pipeline.cpus_per_stage=1) or use pipeline.transport=object_store",
+                            cpus_per_stage)
 
     def _spawn(self, k: int, stage: Stage) -> Any:
         """A stage actor for stage ``k`` in its bundle."""
@@ -263,6 +275,8 @@ class RayExecutor(Executor):
         """
         if self._rdt:
             raise RuntimeError(f"transport={self.transport}: a collective group cannot be revived; recreate the executor")
+        if self._compiled is not None:
+            self._compiled.teardown()
         if len(stages) != self.num_stages:
             raise ValueError(f"got {len(stages)} stages for {self.num_stages} actors")
         pings = [a.stats.remote() for a in self.actors]  # answered after what is still queued on a live actor
@@ -275,6 +289,8 @@ class RayExecutor(Executor):
                 dead.append(k)
                 ray.kill(self.actors[k])
                 self.actors[k] = self._spawn(k, stages[k])
+                if self._compiled is not None:
+                    self._compiled.actors[k] = self.actors[k]
                 ready.append(self.actors[k].stats.remote())
             else:
                 ready.append(self.actors[k].load.remote(stages[k]))
@@ -304,6 +320,17 @@ class RayExecutor(Executor):
         check_stages(schedule, n)
         feed = MicrobatchFeed(microbatches, schedule.microbatches)
         losses: dict[int, float] = {}
+        if self._compiled is not None:
+            s = schedule.version_differences(self.variant) if self.method == "spectrain" else None
+
+            def chunk_done(part: dict[int, float]) -> None:
+                for m, loss in sorted(part.items()):
+                    losses[m] = loss
+                    if on_loss is not None:
+                        on_loss(m, loss)
+
+            self._compiled.run(schedule, s, feed, chunk_done)
+            return [losses[m] for m in range(schedule.microbatches)]
         reports: deque = deque()  # pop_losses refs, oldest first
         last_forwards = 0
         s = schedule.version_differences(self.variant) if self.method == "spectrain" else None
@@ -398,6 +425,9 @@ class RayExecutor(Executor):
             return ray.get([a.checkpoint_state.remote() for a in self.actors])
 
     def close(self) -> None:
+        compiled = getattr(self, "_compiled", None)
+        if compiled is not None:
+            compiled.teardown()
         for a in getattr(self, "actors", []):
             ray.kill(a)
         self.actors = []

@@ -16,11 +16,12 @@ from rayspec.trainer import RunFailed, train
 QUIET = {"echo": lambda _: None}
 
 
-def settings(executor: str = "ray", max_restarts: int = 2) -> dict:
+def settings(executor: str = "ray", max_restarts: int = 2, transport: str = "auto") -> dict:
     return {
         "model": {"name": "mlp", "size": "tiny"},
         "data": {"name": "synthetic_image", "train_size": 640, "val_size": 64},
-        "pipeline": {"method": "spectrain", "stages": 4, "executor": executor, "cpus_per_stage": 0.5},
+        "pipeline": {"method": "spectrain", "stages": 4, "executor": executor, "cpus_per_stage": 0.5,
+                     "transport": transport},
         "train": {"max_steps": 30, "batch_size": 16, "log_every": 1},
         "optim": {"lr": 0.05, "weight_decay": 1e-4},
         "checkpoint": {"every": 5},
@@ -28,10 +29,12 @@ def settings(executor: str = "ray", max_restarts: int = 2) -> dict:
     }
 
 
-def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_session):
+@pytest.mark.parametrize("transport", ["object_store", "compiled"])
+def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_session, transport):
     killer = KillActor(at=12)
     lines: list[str] = []
-    summary = train(from_mapping(settings()), tmp_path / "ray", echo=lines.append, callbacks=[killer])
+    summary = train(from_mapping(settings(transport=transport)), tmp_path / "ray", echo=lines.append,
+                    callbacks=[killer])
     assert killer.pid is not None and killer.pid not in [p.pid for p in stage_actor_processes()]
     assert summary["updates"] == 30 and torch.isfinite(torch.tensor(summary["final_train_loss"]))
     (restart,) = summary["restarts"]

@@ -13,7 +13,7 @@ N = 4
 UPDATES = 16
 
 
-@pytest.fixture(scope="module", params=["object_store", "gloo"])
+@pytest.fixture(scope="module", params=["object_store", "gloo", "compiled"])
 def executor(request, ray_session, tiny):
     """One set of 4 stage actors per transport, reloaded with fresh stages for each method."""
     model, _ = tiny
@@ -90,6 +90,20 @@ def test_in_flight_bound_and_lazy_feed(executor, tiny):
     assert pulled == list(range(48)) and len(losses) == 48
     ref = run_local(model, data, "spectrain", N, updates=48)[0]
     assert_same_weights(executor.state_dict(), ref.state_dict())
+
+
+def test_a_stage_error_reaches_the_driver_and_the_actors_train_on(executor, tiny):
+    """A non-finite loss raises the stage's FloatingPointError at the driver; reloaded, the same actors
+    (and, ``compiled``, a new graph) train as the reference does."""
+    model, data = tiny
+    executor.load(make_stages(model, "spectrain", N))
+    executor.method = "spectrain"
+    bad = microbatches(data, 24, 32)
+    bad[9] = (torch.full_like(bad[9][0], float("inf")), bad[9][1])
+    with pytest.raises(FloatingPointError, match="the loss of micro-batch 9 is nan"):
+        executor.run(build_schedule("1f1b", N, 24), iter(bad))
+    got, _ = _run_ray(executor, model, data, "spectrain")
+    assert_same_weights(got, run_local(model, data, "spectrain", N, updates=UPDATES)[0].state_dict())
 
 
 def test_default_gpus_follow_the_cluster_not_the_driver():
