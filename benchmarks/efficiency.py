@@ -1,6 +1,6 @@
 """Pipeline efficiency: ideal schedule makespan over measured time, with sleep-timed stages and with real compute.
 
-    python -m benchmarks.efficiency [--quick] [--stages 4] [--microbatches 32] [--forward-ms 20] [--backward-ms 40]
+    python -m benchmarks.efficiency [--quick] [--stages 2,4] [--transports object_store,compiled] [--microbatches 32] [--forward-ms 20] [--backward-ms 40]
                                     [--real-stages 2] [--real-model mlp] [--real-size full] [--real-batch 64]
 
 Sleep-timed: each stage is one ``SleepBlock`` (F and B sleep, so CPU contention on a small
@@ -34,16 +34,16 @@ def _stages(n: int, f: float, b: float, group: int) -> list[Stage]:
                   loss_fn=lambda out, y: out.float().mean()) for k in range(n)]
 
 
-def measure(schedule_name: str, n: int, m: int, f: float, b: float, repeats: int, width: int) -> dict:
+def measure(schedule_name: str, n: int, m: int, f: float, b: float, repeats: int, width: int,
+            transport: str = "object_store") -> dict:
     group = m if schedule_name == "gpipe" else 1
     schedule = build_schedule(schedule_name, n, m, group=group)
     ideal = schedule.makespan({"F": f, "B": b})
     x, y = torch.randn(8, width), torch.zeros(8)
-    ex = RayExecutor(_stages(n, f, b, group), "async", transport="object_store", cpus_per_stage=0.01)
+    ex = RayExecutor(_stages(n, f, b, group), "async", transport=transport, cpus_per_stage=0.01)
     times = []
     try:
-        ex.run(build_schedule(schedule_name, n, min(m, 2 * n), group=min(m, 2 * n) if group > 1 else 1),
-               [(x, y)] * min(m, 2 * n))  # warm-up
+        ex.run(schedule, [(x, y)] * m)  # warm-up (and, compiled, the graph's compilation)
         for _ in range(repeats):
             t0 = time.perf_counter()
             ex.run(schedule, [(x, y)] * m)
@@ -51,13 +51,14 @@ def measure(schedule_name: str, n: int, m: int, f: float, b: float, repeats: int
     finally:
         ex.close()
     best, med = min(times), statistics.median(times)
-    return {"schedule": schedule_name, "stages": n, "microbatches": m, "ideal_s": round(ideal, 4),
+    return {"schedule": schedule_name, "transport": transport, "stages": n, "microbatches": m, "ideal_s": round(ideal, 4),
             "best_s": round(best, 4), "median_s": round(med, 4), "efficiency_best": round(ideal / best, 3),
             "efficiency_median": round(ideal / med, 3),
             "overhead_ms_per_action": round((med - ideal) / (2 * m) * 1e3, 2)}
 
 
-def measure_real(schedule_name: str, n: int, m: int, model_name: str, size: str, batch: int, repeats: int) -> dict:
+def measure_real(schedule_name: str, n: int, m: int, model_name: str, size: str, batch: int, repeats: int,
+                 transport: str = "object_store") -> dict:
     from rayspec.data import DataInfo
     from rayspec.models import build_model
     from rayspec.partition import by_parameters, split
@@ -70,11 +71,10 @@ def measure_real(schedule_name: str, n: int, m: int, model_name: str, size: str,
     stages = [Stage(p, k, n, lr=1e-3, momentum=0.9, group=group) for k, p in enumerate(parts)]
     schedule = build_schedule(schedule_name, n, m, group=group)
     x, y = torch.randn(batch, *info.input_shape), torch.randint(10, (batch,))
-    ex = RayExecutor(stages, "async", transport="object_store", cpus_per_stage=1.0)
+    ex = RayExecutor(stages, "async", transport=transport, cpus_per_stage=1.0)
     times, ratios = [], []
     try:
-        ex.run(build_schedule(schedule_name, n, min(m, 2 * n), group=min(m, 2 * n) if group > 1 else 1),
-               [(x, y)] * min(m, 2 * n))  # warm-up
+        ex.run(schedule, [(x, y)] * m)  # warm-up (and, compiled, the graph's compilation)
         for _ in range(repeats):
             before = ex.stage_stats()
             t0 = time.perf_counter()
@@ -90,7 +90,7 @@ def measure_real(schedule_name: str, n: int, m: int, model_name: str, size: str,
     ideal, took, durations = sorted(ratios, key=lambda r: r[0] / r[1])[len(ratios) // 2]  # the median run
     best = max(r[0] / r[1] for r in ratios)
     ms = {f"{kind}{k}_ms": round(durations[(k, kind)] * 1e3, 2) for k in range(n) for kind in "FB"}
-    return {"schedule": schedule_name, "model": f"{model_name}/{size}", "stages": n, "microbatches": m,
+    return {"schedule": schedule_name, "transport": transport, "model": f"{model_name}/{size}", "stages": n, "microbatches": m,
             "batch": batch, "ideal_s": round(ideal, 4), "median_s": round(took, 4),
             "efficiency_median": round(ideal / took, 3), "efficiency_best": round(best, 3),
             "overhead_ms_per_action": round((took - ideal) / (2 * m) * 1e3, 2), **ms}
@@ -99,7 +99,8 @@ def measure_real(schedule_name: str, n: int, m: int, model_name: str, size: str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--stages", default="2,4", help="stage counts of the sleep-timed runs")
+    ap.add_argument("--transports", default="object_store,compiled")
     ap.add_argument("--microbatches", type=int, default=32)
     ap.add_argument("--forward-ms", type=float, default=20.0)
     ap.add_argument("--backward-ms", type=float, default=40.0)
@@ -113,18 +114,22 @@ def main() -> None:
     m, repeats = (8, 2) if args.quick else (args.microbatches, args.repeats)
     start_ray()
     rows = []
-    for kib in (int(v) for v in args.kib.split(",")):
-        for s in ("1f1b", "gpipe"):
-            row = measure(s, args.stages, m, args.forward_ms / 1e3, args.backward_ms / 1e3, repeats, kib * 1024 // 32)
-            rows.append({"activation_kib": kib, **row})
-    cols = ["activation_kib", "schedule", "stages", "microbatches", "ideal_s", "median_s", "efficiency_median",
+    transports = [t for t in args.transports.split(",") if t]
+    for n in (int(v) for v in args.stages.split(",")):
+        for kib in (int(v) for v in args.kib.split(",")):
+            for s in ("1f1b", "gpipe"):
+                for transport in transports:
+                    row = measure(s, n, m, args.forward_ms / 1e3, args.backward_ms / 1e3, repeats, kib * 1024 // 32,
+                                  transport)
+                    rows.append({"activation_kib": kib, **row})
+    cols = ["activation_kib", "schedule", "transport", "stages", "microbatches", "ideal_s", "median_s", "efficiency_median",
             "efficiency_best", "overhead_ms_per_action"]
     print("sleep-timed stages:")
     print(table(rows, cols))
     real = [measure_real(s, args.real_stages, m, args.real_model, "tiny" if args.quick else args.real_size,
-                         args.real_batch, repeats) for s in ("1f1b", "gpipe")]
+                         args.real_batch, repeats, transport) for s in ("1f1b", "gpipe") for transport in transports]
     print(f"real compute ({real[0]['model']}, batch {args.real_batch}, one thread per stage):")
-    print(table(real, ["schedule", "model", "stages", "microbatches", "ideal_s", "median_s", "efficiency_median",
+    print(table(real, ["schedule", "transport", "model", "stages", "microbatches", "ideal_s", "median_s", "efficiency_median",
                        "efficiency_best", "overhead_ms_per_action", *[k for k in real[0] if k.endswith("_ms")]]))
     path = write("efficiency", {"forward_ms": args.forward_ms, "backward_ms": args.backward_ms,
                                 "rows": rows, "real": real})

@@ -1,6 +1,6 @@
 """GPU check: stage actors computing on CUDA train like the local executor on the CPU, and how fast they go.
 
-    python -m benchmarks.gpu_check [--stages 2] [--transports object_store,nccl] [--updates 16] [--device cuda]
+    python -m benchmarks.gpu_check [--stages 2] [--transports object_store,nccl,compiled] [--updates 16] [--device cuda]
 
 For each transport, one ``RayExecutor`` whose stage actors hold a GPU each (a fraction of one when the
 machine has fewer GPUs than stages; then they share it) is reloaded with every method in turn:
@@ -125,7 +125,7 @@ def ray_devices(ex: Any) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--transports", default="object_store,nccl")
+    ap.add_argument("--transports", default="object_store,nccl,compiled")
     ap.add_argument("--updates", type=int, default=16, help="updates of the equality runs")
     ap.add_argument("--timed", type=int, default=20, help="updates of the timed runs (batch 256)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -141,22 +141,29 @@ def main() -> int:
     ray.init(include_dashboard=False, log_to_driver=False)
     gpus_total = ray.cluster_resources().get("GPU", 0.0)
     gpus = 0.0 if args.device == "cpu" else min(1.0, gpus_total / args.stages)
+    columns = ["transport", "method", "stage devices", "equal", "max |w diff|", "samples/s", "cpu local samples/s",
+               "vs cpu local", "error"]
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none"
     rows: list[dict[str, Any]] = []
     try:
         for transport in args.transports.split(","):
             if transport == "nccl" and args.device == "cpu":
                 transport = "gloo"  # the CPU counterpart of a two-sided RDT
+            t0 = time.perf_counter()
             try:
-                rows += check_transport(transport, args, gpus)
+                got = check_transport(transport, args, gpus)
             except Exception as err:  # noqa: BLE001 - reported, the next transport still runs
-                rows.append({"transport": transport, "method": "-", "error": f"{type(err).__name__}: {err}"[:300]})
+                got = [{"transport": transport, "method": "-", "error": f"{type(err).__name__}: {err}"[:300]}]
+            rows += got
+            # each transport's rows as soon as it is done: a run cut short keeps what it measured
+            print(f"{transport}: {time.perf_counter() - t0:.0f} s", flush=True)
+            print(table([{c: r.get(c, "") for c in columns} for r in got], columns), flush=True)
+            if args.device == "cuda":
+                write("gpu_check", {"gpu": gpu, "gpus": gpus_total, "stages": args.stages, "rows": rows})
     finally:
         ray.shutdown()
-    columns = ["transport", "method", "stage devices", "equal", "max |w diff|", "samples/s", "cpu local samples/s",
-               "vs cpu local", "error"]
     print(table([{c: r.get(c, "") for c in columns} for r in rows], columns))
     if args.device == "cuda":
-        gpu = torch.cuda.get_device_name(0)
         print(f"wrote {write('gpu_check', {'gpu': gpu, 'gpus': gpus_total, 'stages': args.stages, 'rows': rows})}")
     return 1 if any(r.get("equal") is False for r in rows) else 0
 

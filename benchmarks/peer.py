@@ -1,7 +1,7 @@
 """Peer comparison: rayspec on Ray against ``torch.distributed.pipelining`` on the same 2-stage split.
 
     python -m benchmarks.peer [--quick] [--model mlp] [--size full] [--batch 256] [--microbatches 8]
-                              [--steps 20] [--repeats 3] [--transports object_store,gloo]
+                              [--steps 20] [--repeats 3] [--transports object_store,gloo,compiled]
 
 The model (default: the ``full`` MLP, 8 hidden 1024-wide blocks, on ``(3, 32, 32)`` images) is cut
 into 2 stages by parameters; both sides start from the same weights, see the same batches
@@ -13,7 +13,7 @@ momentum, 1 torch thread per stage process and nothing else of theirs running.
   batch. Both torch schedules are *flushed*: every batch fills and drains the pipeline and
   applies one synchronous update.
 * rayspec: ``RayExecutor`` with 2 stage actors (``cpus_per_stage=1``) after
-  ``ray.init(num_cpus=2)``, ``object_store`` and ``gloo`` transports, one ``run`` over all timed
+  ``ray.init(num_cpus=2)``, ``object_store``, ``gloo`` and ``compiled`` transports, one ``run`` over all timed
   batches (as the trainer runs a segment). Runners:
 
   - ``gpipe``: fill-drain, one update per batch: like-for-like with ``ScheduleGPipe``.
@@ -36,7 +36,16 @@ micro-batch at 1 thread; the ideal makespan of each schedule from it), and one h
 activation between two processes: torch ``dist.send``/``recv`` over gloo (ping-pong) and a chain of
 dependent Ray actor calls (object store, zero-copy; and gloo Ray Direct Transport).
 
-Findings on the 2-core CPU box (x86_64, no GPU, torch 2.14.1, ray 2.60, loaded by other jobs:
+With ``compiled`` (a Ray Compiled Graph, ``rayspec.compiled``; ``benchmarks/results/peer_compiled.json``,
+``--transports compiled,object_store``, idle machine) the like-for-like ratios are 0.90 (``gpipe``) and
+0.85 (``1f1b-flushed``), against 0.64 / 0.65 on the object store in the same run: waiting drops to
+57-62 ms per batch (torch: 46-51), the driver's CPU from 47-61 to 4-8 ms per batch, and a hop from
+3.6 to 0.6 ms (torch gloo: 0.36). What is left is mostly slower compute inside the stages (stage 1's
+backward 19-21 ms against torch's 17-18) and the chunk's masked ops at the ends of the segment.
+``spectrain`` reaches 0.57 (0.47 on the object store): per micro-batch it steps the optimizer and
+swaps predicted weights in and out, which the flushed torch schedule does not.
+
+Findings before ``compiled`` existed, on the 2-core CPU box (x86_64, no GPU, torch 2.14.1, ray 2.60, loaded by other jobs:
 load average 3-6), full MLP split [3, 6], batch 256, M = 8, 20 steps x 3 pairs, two full runs
 (``benchmarks/results/peer.json`` holds the second):
 
@@ -518,6 +527,8 @@ def ray_hop_s(transport: str, shape: tuple[int, ...], count: int = 50) -> float:
     actors = [Hop.options(num_cpus=0.5, runtime_env=env).remote() for _ in range(2)]  # type: ignore[attr-defined]
     try:
         ray.get([a.total.remote(torch.zeros(1)) for a in actors])
+        if transport == "compiled":
+            return compiled_hop_s(actors, shape, count)
         if transport != "object_store":
             from ray.experimental.collective import create_collective_group
 
@@ -542,6 +553,32 @@ def ray_hop_s(transport: str, shape: tuple[int, ...], count: int = 50) -> float:
     finally:
         for a in actors:
             ray.kill(a)
+
+
+def compiled_hop_s(actors: Sequence[Any], shape: tuple[int, ...], count: int, repeats: int = 10) -> float:
+    """Seconds per hop of a compiled graph chaining ``count`` ``echo`` calls between 2 actors (the median run)."""
+    from ray.dag import InputNode
+
+    def chain(n: int) -> float:
+        with InputNode() as inp:
+            node = inp
+            for i in range(n):
+                node = actors[i % 2].echo.bind(node)
+        dag = node.experimental_compile()
+        try:
+            x = torch.randn(shape)
+            for _ in range(3):
+                dag.execute(x).get(timeout=-1)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                dag.execute(x).get(timeout=-1)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+        finally:
+            dag.teardown()
+
+    return (chain(count) - chain(count // 5)) / (count - count // 5)
 
 
 # ----------------------------------------------------------------------------- the comparison
@@ -610,7 +647,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed batches per measurement")
     ap.add_argument("--warmup", type=int, default=2, help="untimed batches first, on each side")
     ap.add_argument("--repeats", type=int, default=3, help="torch/rayspec measurement pairs per runner")
-    ap.add_argument("--transports", default="object_store,gloo")
+    ap.add_argument("--transports", default="object_store,gloo,compiled")
     ap.add_argument("--runners", default=",".join(RAYSPEC_RUNNERS))
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--momentum", type=float, default=0.9)
