@@ -153,13 +153,10 @@ def plan_chunks(schedule: Schedule, s: dict | None, chunk: int = 16) -> ChunkPla
                 return ("begin", src_k)
         raise ScheduleError(f"stage {k}'s {kind}(base+{off}) has no producer one chunk apart at most")
 
-    template = []
-    carried = {src[1] for k in range(n) for kind, off in ops[k] if (src := producer(k, kind, off)) and src[0] == "begin"}
-    for k in range(n):
-        template.append(tuple(
-            TemplateOp(kind, off, producer(k, kind, off), carry=k in carried and i == len(ops[k]) - 1)
-            for i, (kind, off) in enumerate(ops[k])
-        ))
+    sources = [[producer(k, kind, off) for kind, off in ops[k]] for k in range(n)]
+    carried = {src[1] for row in sources for src in row if src is not None and src[0] == "begin"}
+    template = [tuple(TemplateOp(kind, off, sources[k][i], carry=k in carried and i == len(ops[k]) - 1)
+                      for i, (kind, off) in enumerate(ops[k])) for k in range(n)]
     updates = {a.key: a.update for acts in schedule.actions for a in acts}
     bases, params = [], []
     replay: list[list[tuple[str, int, bool]]] = [[] for _ in range(n)]

@@ -320,8 +320,8 @@ class RayExecutor(Executor):
         check_stages(schedule, n)
         feed = MicrobatchFeed(microbatches, schedule.microbatches)
         losses: dict[int, float] = {}
+        s = schedule.version_differences(self.variant) if self.method == "spectrain" else None
         if self._compiled is not None:
-            s = schedule.version_differences(self.variant) if self.method == "spectrain" else None
 
             def chunk_done(part: dict[int, float]) -> None:
                 for m, loss in sorted(part.items()):
@@ -333,7 +333,6 @@ class RayExecutor(Executor):
             return [losses[m] for m in range(schedule.microbatches)]
         reports: deque = deque()  # pop_losses refs, oldest first
         last_forwards = 0
-        s = schedule.version_differences(self.variant) if self.method == "spectrain" else None
         # The bound is for memory; it must never stall the pipeline: the driver submits in one
         # global order, so waiting on a recent backward would hold back calls that other stages
         # could already run. Default: twice what the schedule itself keeps in flight.
