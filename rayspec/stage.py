@@ -388,15 +388,15 @@ class _WeightSwap:
 
     ``swaps[i]`` is ``None`` (keep parameter ``i``), ``(v, alpha)`` (storage becomes ``W + alpha * v``,
     computed into the stage's one scratch copy) or ``(w, None)`` (storage becomes ``w``). The
-    parameter's storage and the other tensor's exchange their memory (a pointer swap, ``_swap``),
-    and exchange it back afterwards: the stored weights are never copied, and every alias of the
+    parameter's storage and the other tensor's exchange their memory (a pointer swap, ``_swap_in``),
+    and exchange it back afterwards (``_swap_out``): the stored weights are never copied, and every alias of the
     storage, autograd's saved views included, sees the swapped-in weights during the action.
     """
 
     def __init__(self, stage: Stage, kind: str, m: int, s: int, swaps: list | None, target: int | None = None) -> None:
         self.stage, self.kind, self.m, self.s, self.swaps = stage, kind, m, s, swaps
         self.target = target  # a prediction the stage's probe scores once it holds this version
-        self.swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.swapped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     def __enter__(self) -> None:
         st = self.stage
@@ -414,8 +414,7 @@ class _WeightSwap:
                     if alpha is not None:
                         assert scratch is not None
                         t = torch.add(p.data, t, alpha=alpha, out=scratch[i])
-                    self.swapped.append((p.data, t))
-                    _swap(p.data, t)
+                    self.swapped.append((p.data, t, _swap_in(p.data, t)))
         if probe is not None and stale is not None and velocity is not None and self.target is not None:
             paper = velocity * (-self.s * st.lr(st.version))
             probe.predicted(self.target, stale, probe.sample(st.params), paper)
@@ -427,8 +426,8 @@ class _WeightSwap:
     def __exit__(self, *exc: object) -> None:
         st = self.stage
         with torch.no_grad():
-            for w, t in reversed(self.swapped):
-                _swap(w, t)
+            for w, t, held in reversed(self.swapped):
+                _swap_out(w, t, held)
         self.swapped = []
         if st.record:
             st.records.append(
@@ -445,18 +444,26 @@ def _owns_storage(t: torch.Tensor) -> bool:
 
 SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 """Exchange two tensors' memory by pointer (``UntypedStorage._swap_data_ptr_``, as torch's own CUDA
-graph trees do); without it, or for a tensor that shares its storage, ``_swap`` copies."""
+graph trees do); without it, or for a tensor that shares its storage, ``_swap_in`` copies."""
 
 
-def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Exchange the contents of two tensors of one shape, dtype and device: by pointer where each owns
-    its whole storage, else by copy."""
-    if SWAP_STORAGE and _owns_storage(a) and _owns_storage(b):
-        a.untyped_storage()._swap_data_ptr_(b.untyped_storage())  # type: ignore[attr-defined]
+def _swap_in(w: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
+    """Put ``t``'s contents into ``w`` (one shape, dtype and device): by exchanging their memory where each
+    owns its whole storage (returns ``None``), else by copy (returns a copy of ``w``'s contents)."""
+    if SWAP_STORAGE and _owns_storage(w) and _owns_storage(t):
+        w.untyped_storage()._swap_data_ptr_(t.untyped_storage())  # type: ignore[attr-defined]
+        return None
+    held = w.clone()
+    w.copy_(t)
+    return held
+
+
+def _swap_out(w: torch.Tensor, t: torch.Tensor, held: torch.Tensor | None) -> None:
+    """Undo ``_swap_in``: ``w`` holds its own contents again and ``t`` its own."""
+    if held is None:
+        w.untyped_storage()._swap_data_ptr_(t.untyped_storage())  # type: ignore[attr-defined]
     else:
-        held = a.clone()
-        a.copy_(b)
-        b.copy_(held)
+        w.copy_(held)
 
 
 # --------------------------------------------------------------------- helpers

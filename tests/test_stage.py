@@ -167,12 +167,19 @@ def test_weight_swap_by_pointer_equals_swap_by_copy(tiny, monkeypatch, method):
 
 
 def test_swap_copies_a_tensor_that_shares_its_storage():
-    from rayspec.stage import _swap
+    from rayspec.stage import _swap_in, _swap_out
 
     flat = torch.arange(6.0)
     view, other = flat[2:4], torch.tensor([10.0, 11.0])
-    _swap(view, other)
-    assert flat.tolist() == [0, 1, 10, 11, 4, 5] and other.tolist() == [2, 3]
+    held = _swap_in(view, other)
+    assert held is not None and flat.tolist() == [0, 1, 10, 11, 4, 5] and other.tolist() == [10, 11]
+    _swap_out(view, other, held)
+    assert flat.tolist() == [0, 1, 2, 3, 4, 5] and other.tolist() == [10, 11]
+    own, new = torch.zeros(3), torch.ones(3)
+    alias = own[:]  # a view, as autograd saves: it sees the swapped-in memory
+    assert _swap_in(own, new) is None and alias.tolist() == [1, 1, 1]
+    _swap_out(own, new, None)
+    assert alias.tolist() == [0, 0, 0] and new.tolist() == [1, 1, 1]
 
 
 def test_a_non_finite_gradient_is_named_and_a_huge_finite_one_passes():
