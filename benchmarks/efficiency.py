@@ -1,11 +1,15 @@
 """Pipeline efficiency: ideal schedule makespan over measured time, with sleep-timed stages and with real compute.
 
-    python -m benchmarks.efficiency [--quick] [--stages 2,4] [--transports object_store,compiled] [--microbatches 32] [--forward-ms 20] [--backward-ms 40]
+    python -m benchmarks.efficiency [--quick] [--stages 2,4] [--transports object_store,compiled] [--no-torch]
+                                    [--microbatches 32] [--forward-ms 20] [--backward-ms 40]
                                     [--real-stages 2] [--real-model mlp] [--real-size full] [--real-batch 64]
 
 Sleep-timed: each stage is one ``SleepBlock`` (F and B sleep, so CPU contention on a small
 machine does not mix into the figure); what remains above the ideal makespan is framework
-overhead on the critical path.
+overhead on the critical path. The same sleep stages also run under
+``torch.distributed.pipelining`` in the same run (``transport`` ``torch``: one spawned process
+per stage, gloo, ``ScheduleGPipe`` / ``Schedule1F1B`` over one batch of M micro-batches, whose
+ideal makespan is the same), as the peer to compare with.
 
 Real compute: a real model cut into ``--real-stages`` stages (one thread per stage actor; keep
 the stage count at most the number of cores, or the stages share cores and cannot overlap). The
@@ -17,13 +21,16 @@ framework adds: waiting on transfers and on the driver. Repeated runs; best and 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from typing import Any
 
 import torch
 from torch import nn
 
 from benchmarks._common import SleepBlock, start_ray, table, write
+from benchmarks.peer import free_port
 from rayspec.ray_executor import RayExecutor
 from rayspec.schedule import build_schedule
 from rayspec.stage import Stage
@@ -55,6 +62,71 @@ def measure(schedule_name: str, n: int, m: int, f: float, b: float, repeats: int
             "best_s": round(best, 4), "median_s": round(med, 4), "efficiency_best": round(ideal / best, 3),
             "efficiency_median": round(ideal / med, 3),
             "overhead_ms_per_action": round((med - ideal) / (2 * m) * 1e3, 2)}
+
+
+def _torch_rank(rank: int, world: int, port: int, f: float, b: float, m: int, width: int, repeats: int,
+                results: Any) -> None:
+    """One ``torch.distributed.pipelining`` rank of the sleep pipeline: each schedule once to warm up, then
+    ``repeats`` timed steps between barriers; rank 0 reports ``{schedule: [seconds]}``."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        x, y = torch.randn(8 * m, width), torch.zeros(8 * m)
+        out: dict[str, list[float]] = {}
+        for name, cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
+            stage = PipelineStage(nn.Sequential(SleepBlock(f, b)), rank, world, torch.device("cpu"))
+            schedule = cls(stage, m, loss_fn=lambda o, t: o.float().mean())
+            times = []
+            for i in range(repeats + 1):  # the first step infers shapes and warms up
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    schedule.step(x)
+                elif rank == world - 1:
+                    schedule.step(target=y)
+                else:
+                    schedule.step()
+                dist.barrier()
+                if i:
+                    times.append(time.perf_counter() - t0)
+            out[name] = times
+        if rank == 0:
+            results.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_torch(n: int, m: int, f: float, b: float, repeats: int, width: int, timeout_s: float = 600.0) -> list[dict]:
+    """The sleep pipeline under ``torch.distributed.pipelining``: one row per schedule, as ``measure`` gives."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_torch_rank, args=(r, n, port, f, b, m, width, repeats, results), daemon=True)
+             for r in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        times = results.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    rows = []
+    for name, ts in times.items():
+        ideal = build_schedule(name, n, m, group=m if name == "gpipe" else 1).makespan({"F": f, "B": b})
+        best, med = min(ts), statistics.median(ts)
+        rows.append({"schedule": name, "transport": "torch", "stages": n, "microbatches": m, "ideal_s": round(ideal, 4),
+                     "best_s": round(best, 4), "median_s": round(med, 4), "efficiency_best": round(ideal / best, 3),
+                     "efficiency_median": round(ideal / med, 3),
+                     "overhead_ms_per_action": round((med - ideal) / (2 * m) * 1e3, 2)})
+    return rows
 
 
 def measure_real(schedule_name: str, n: int, m: int, model_name: str, size: str, batch: int, repeats: int,
@@ -106,6 +178,8 @@ def main() -> None:
     ap.add_argument("--backward-ms", type=float, default=40.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kib", default="16,512", help="activation sizes per micro-batch in KiB")
+    ap.add_argument("--no-torch", dest="torch", action="store_false",
+                    help="skip the torch.distributed.pipelining rows of the sleep-timed runs")
     ap.add_argument("--real-stages", type=int, default=2, help="stages of the real-compute run (<= CPU cores)")
     ap.add_argument("--real-model", default="mlp")
     ap.add_argument("--real-size", default="full")
@@ -115,13 +189,16 @@ def main() -> None:
     start_ray()
     rows = []
     transports = [t for t in args.transports.split(",") if t]
+    f, b = args.forward_ms / 1e3, args.backward_ms / 1e3
     for n in (int(v) for v in args.stages.split(",")):
         for kib in (int(v) for v in args.kib.split(",")):
+            width = kib * 1024 // 32
+            peer = {r["schedule"]: r for r in measure_torch(n, m, f, b, repeats, width)} if args.torch else {}
             for s in ("1f1b", "gpipe"):
                 for transport in transports:
-                    row = measure(s, n, m, args.forward_ms / 1e3, args.backward_ms / 1e3, repeats, kib * 1024 // 32,
-                                  transport)
-                    rows.append({"activation_kib": kib, **row})
+                    rows.append({"activation_kib": kib, **measure(s, n, m, f, b, repeats, width, transport)})
+                if s in peer:
+                    rows.append({"activation_kib": kib, **peer[s]})
     cols = ["activation_kib", "schedule", "transport", "stages", "microbatches", "ideal_s", "median_s", "efficiency_median",
             "efficiency_best", "overhead_ms_per_action"]
     print("sleep-timed stages:")

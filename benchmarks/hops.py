@@ -16,6 +16,8 @@ instance each), for each activation size:
   each return a fresh tensor of the size (as a stage does); seconds per call;
 * ``hop_busy``: the same chain while 2 processes at nice 0 keep both cores busy (what a training
   stage's neighbours and Ray's own threads are to it on a 2-core machine);
+* ``compiled_hop``: the same hop inside a Ray Compiled Graph (``pipeline.transport=compiled``): a chain
+  of ``echo`` calls between the 2 actors over shared-memory channels, no task per call;
 * ``ray_cpu_per_hop``: CPU seconds that all of Ray's processes (raylet, GCS, the two actors, ...) and
   the driver spend per hop of the chain (2 cores give at most 2 CPU seconds per second);
 * torch ``dist.send``/``recv`` over gloo between 2 plain processes (nice 0), one way: the data path of
@@ -36,7 +38,16 @@ import ray
 import torch
 
 from benchmarks._common import table, write
-from benchmarks.peer import PeerConfig, TorchPeer, build_parts, process_cpu_s, process_tree, ray_system_pids, self_cpu_s
+from benchmarks.peer import (
+    PeerConfig,
+    TorchPeer,
+    build_parts,
+    compiled_hop_s,
+    process_cpu_s,
+    process_tree,
+    ray_system_pids,
+    self_cpu_s,
+)
 
 
 @ray.remote(num_cpus=0.01)
@@ -119,6 +130,7 @@ def measure_ray(niceness: int | None, sizes: list[int], count: int) -> dict[str,
                 for p in spinners:
                     p.kill()
                     p.join()
+            row["compiled_hop"] = compiled_hop_s(actors, (numel,), max(10, min(count, 50)))
             out["sizes"][kib] = {k: v * 1e3 for k, v in row.items()}
             for a in actors:
                 ray.kill(a)
@@ -150,7 +162,7 @@ def main() -> None:
         runs["default"].append(measure_ray(None, sizes, count))
         runs["nice0"].append(measure_ray(0, sizes, count))
         torch_ms.append(measure_torch(sizes, count))
-    parts = ["pickle", "put_get", "call", "call_tensor", "hop", "hop_busy", "ray_cpu_per_hop"]
+    parts = ["pickle", "put_get", "call", "call_tensor", "hop", "hop_busy", "compiled_hop", "ray_cpu_per_hop"]
     rows = []
     for kib in sizes:
         torch_hop = statistics.median(t[kib] for t in torch_ms)
@@ -160,9 +172,11 @@ def main() -> None:
                 row[part] = round(statistics.median(m["sizes"][kib][part] for m in measured), 3)
             row["torch_gloo_hop"] = round(torch_hop, 3)
             row["hop_over_torch"] = round(row["hop"] / torch_hop, 1)
+            row["compiled_over_torch"] = round(row["compiled_hop"] / torch_hop, 1)
             row["busy_over_idle"] = round(row["hop_busy"] / row["hop"], 2)
             rows.append(row)
-    print(table(rows, ["kib", "workers", *parts, "torch_gloo_hop", "hop_over_torch", "busy_over_idle"]))
+    print(table(rows, ["kib", "workers", *parts, "torch_gloo_hop", "hop_over_torch", "compiled_over_torch",
+                       "busy_over_idle"]))
     if not args.quick:
         print(f"wrote {write('hops', {'count': count, 'rounds': rounds, 'unit': 'ms', 'rows': rows})}")
 

@@ -37,13 +37,15 @@ activation between two processes: torch ``dist.send``/``recv`` over gloo (ping-p
 dependent Ray actor calls (object store, zero-copy; and gloo Ray Direct Transport).
 
 With ``compiled`` (a Ray Compiled Graph, ``rayspec.compiled``; ``benchmarks/results/peer_compiled.json``,
-``--transports compiled,object_store``, idle machine) the like-for-like ratios are 0.90 (``gpipe``) and
-0.85 (``1f1b-flushed``), against 0.64 / 0.65 on the object store in the same run: waiting drops to
-57-62 ms per batch (torch: 46-51), the driver's CPU from 47-61 to 4-8 ms per batch, and a hop from
-3.6 to 0.6 ms (torch gloo: 0.36). What is left is mostly slower compute inside the stages (stage 1's
-backward 19-21 ms against torch's 17-18) and the chunk's masked ops at the ends of the segment.
-``spectrain`` reaches 0.57 (0.47 on the object store): per micro-batch it steps the optimizer and
-swaps predicted weights in and out, which the flushed torch schedule does not.
+``--transports compiled,object_store``, idle machine) the like-for-like ratios are 0.95 (``gpipe``) and
+0.99 (``1f1b-flushed``), against 0.72 / 0.70 on the object store in the same run; waiting is 30-46 ms
+per batch (torch: 35-52), the driver's CPU 3-6 ms per batch (object store: 42-43), a hop 0.53 ms
+(object store 2.7, torch gloo 0.19). ``spectrain`` reaches 0.92 (0.66 on the object store) although it
+steps the optimizer and predicts weights on every micro-batch, which the flushed torch schedule does
+not: it has no bubble between batches (10 ms of waiting per batch). What is left is inside the stages
+(stage 1's backward 14.5-15.3 ms against torch's 11.8-14.1, rayspec's with its optimizer step).
+An earlier run, before ``Stage`` swapped predicted weights in by pointer and checked gradients with a
+summing pass instead of an infinity norm (``benchmarks.stage_cost``), gave 0.90 / 0.85 / 0.57.
 
 Findings before ``compiled`` existed, on the 2-core CPU box (x86_64, no GPU, torch 2.14.1, ray 2.60, loaded by other jobs:
 load average 3-6), full MLP split [3, 6], batch 256, M = 8, 20 steps x 3 pairs, two full runs

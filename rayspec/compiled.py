@@ -26,6 +26,7 @@ this path computes what ``LocalExecutor`` computes.
 
 from __future__ import annotations
 
+import logging
 import threading
 import traceback
 import warnings
@@ -315,6 +316,8 @@ class CompiledPipeline:
         self.nccl = nccl
         self._dag: Any = None
         self._template: tuple | None = None
+        # Ray logs every compile and teardown at INFO (several lines per segment); keep its warnings.
+        logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.WARNING)
 
     def _compile(self, template: tuple) -> None:
         from ray.dag import InputNode, MultiOutputNode

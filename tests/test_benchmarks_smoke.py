@@ -1,4 +1,5 @@
-"""Smoke tests of ``benchmarks.memory`` and ``benchmarks.peer`` at their smallest sizes: the numbers are sane."""
+"""Smoke tests of ``benchmarks.memory``, ``benchmarks.peer`` and ``benchmarks.efficiency`` at their smallest sizes:
+the numbers are sane."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
 
-from benchmarks import memory, peer  # noqa: E402
+from benchmarks import efficiency, memory, peer  # noqa: E402
 from rayspec.data import DataInfo  # noqa: E402
 from rayspec.models import build_model  # noqa: E402
 from rayspec.partition import uniform  # noqa: E402
@@ -89,6 +90,17 @@ def test_microbatches_and_ideal():
     assert set(compute) == {(0, "F"), (0, "B"), (1, "F"), (1, "B")} and all(v > 0 for v in compute.values())
     for runner in peer.RAYSPEC_RUNNERS:
         assert peer.ideal_step_s(runner, TINY.microbatches, compute) > 0
+
+
+def test_torch_sleep_pipeline_efficiency():
+    """torch.distributed.pipelining over 3 sleep stages: both schedules, never faster than the ideal makespan
+    (sleeps are lower bounds, so running fewer actions than the schedule's would show as efficiency > 1)."""
+    rows = efficiency.measure_torch(3, 4, 0.01, 0.02, repeats=2, width=16, timeout_s=120)
+    assert sorted(r["schedule"] for r in rows) == ["1f1b", "gpipe"]
+    for r in rows:
+        assert r["transport"] == "torch" and r["stages"] == 3 and r["microbatches"] == 4
+        assert r["ideal_s"] == pytest.approx((3 - 1 + 4) * 0.03)
+        assert 0.3 < r["efficiency_median"] <= r["efficiency_best"] <= 1.0, r
 
 
 def test_torch_peer_trains():
