@@ -57,6 +57,11 @@ def measure(schedule_name: str, n: int, m: int, f: float, b: float, repeats: int
             times.append(time.perf_counter() - t0)
     finally:
         ex.close()
+    return _sleep_row(schedule_name, transport, n, m, ideal, times)
+
+
+def _sleep_row(schedule_name: str, transport: str, n: int, m: int, ideal: float, times: list[float]) -> dict:
+    """One row of the sleep-timed table from the measured seconds of its repeats."""
     best, med = min(times), statistics.median(times)
     return {"schedule": schedule_name, "transport": transport, "stages": n, "microbatches": m, "ideal_s": round(ideal, 4),
             "best_s": round(best, 4), "median_s": round(med, 4), "efficiency_best": round(ideal / best, 3),
@@ -118,15 +123,8 @@ def measure_torch(n: int, m: int, f: float, b: float, repeats: int, width: int, 
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    rows = []
-    for name, ts in times.items():
-        ideal = build_schedule(name, n, m, group=m if name == "gpipe" else 1).makespan({"F": f, "B": b})
-        best, med = min(ts), statistics.median(ts)
-        rows.append({"schedule": name, "transport": "torch", "stages": n, "microbatches": m, "ideal_s": round(ideal, 4),
-                     "best_s": round(best, 4), "median_s": round(med, 4), "efficiency_best": round(ideal / best, 3),
-                     "efficiency_median": round(ideal / med, 3),
-                     "overhead_ms_per_action": round((med - ideal) / (2 * m) * 1e3, 2)})
-    return rows
+    return [_sleep_row(name, "torch", n, m, build_schedule(name, n, m, group=m if name == "gpipe" else 1)
+                       .makespan({"F": f, "B": b}), ts) for name, ts in times.items()]
 
 
 def measure_real(schedule_name: str, n: int, m: int, model_name: str, size: str, batch: int, repeats: int,

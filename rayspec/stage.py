@@ -404,16 +404,13 @@ class _WeightSwap:
         probe = st.probe if self.target is not None else None
         stale, velocity = probe.held(st.version, st.params, st.optimizer.buffers) if probe is not None else (None, None)
         if self.swaps is not None:
-            predicts = any(swap is not None and swap[1] is not None for swap in self.swaps)
-            scratch = st._scratch() if predicts else None
             with torch.no_grad():
                 for i, (p, swap) in enumerate(zip(st.params, self.swaps)):
                     if swap is None:
                         continue
                     t, alpha = swap
-                    if alpha is not None:
-                        assert scratch is not None
-                        t = torch.add(p.data, t, alpha=alpha, out=scratch[i])
+                    if alpha is not None:  # the prediction goes into the scratch copy, allocated on first use
+                        t = torch.add(p.data, t, alpha=alpha, out=st._scratch()[i])
                     self.swapped.append((p.data, t, _swap_in(p.data, t)))
         if probe is not None and stale is not None and velocity is not None and self.target is not None:
             paper = velocity * (-self.s * st.lr(st.version))
