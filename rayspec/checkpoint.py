@@ -40,7 +40,7 @@ _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 _FIXED = (
     ("model",), ("data",), ("seed",), ("pipeline", "method"), ("pipeline", "variant"), ("pipeline", "predictor"),
     ("pipeline", "backward"),
-    ("pipeline", "stages"), ("pipeline", "microbatches"), ("train", "batch_size"), ("train", "train_samples"),
+    ("pipeline", "stages"), ("pipeline", "microbatches"), ("pipeline", "accumulate"), ("train", "batch_size"), ("train", "train_samples"),
     ("optim", "momentum"), ("optim", "weight_decay"), ("optim", "dampening"), ("optim", "nesterov"),
 )
 
@@ -124,6 +124,8 @@ def check_compatible(saved: dict[str, Any], config: Config, path: Path) -> None:
     now = json.loads(json.dumps(asdict(config), default=str))
     for key in _FIXED:
         a, b = _get(saved, key), _get(now, key)
+        if key == ("pipeline", "accumulate") and a is None:  # written before the setting existed
+            a = 1
         if a != b:
             name = ".".join(key)
             raise ConfigError(

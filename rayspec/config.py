@@ -39,6 +39,10 @@ class PipelineConfig:
     """Pipeline stages N; at most the model's number of blocks."""
     microbatches: int = 4
     """``gpipe``: micro-batches each batch is split into (accumulated per update). Others: unused."""
+    accumulate: int = 1
+    """``vanilla``, ``async``, ``pipedream``, ``spectrain``: micro-batches each batch is split into, their
+    gradients summed into the batch's one update; the 1F1B pipeline streams on across batches (no flush), so
+    only micro-batches that straddle an update see a stale (or predicted) version. 1: a batch is one micro-batch."""
     executor: Literal["local", "ray"] = "ray"
     """``local``: all stages in this process (the reference); ``ray``: one actor per stage."""
     transport: Literal["auto", "object_store", "gloo", "nccl", "compiled"] = "auto"
@@ -59,8 +63,8 @@ class PipelineConfig:
 
     @property
     def group(self) -> int:
-        """Micro-batches per optimizer update: ``microbatches`` for gpipe, 1 for every other method."""
-        return self.microbatches if self.method == "gpipe" else 1
+        """Micro-batches per optimizer update: ``microbatches`` for gpipe, ``accumulate`` for the others."""
+        return self.microbatches if self.method == "gpipe" else self.accumulate
 
 
 @dataclass
@@ -86,7 +90,7 @@ class TrainConfig:
     max_steps: int = 300
     """Optimizer updates to run (each consumes one batch)."""
     batch_size: int = 64
-    """Samples per update (gpipe splits it into ``pipeline.microbatches``)."""
+    """Samples per update (gpipe splits it into ``pipeline.microbatches``, the others into ``pipeline.accumulate``)."""
     log_every: int = 25
     """Updates between progress lines and metrics records."""
     eval_every: int = 0
@@ -146,6 +150,7 @@ class Config:
         _choice("optim.schedule", o.schedule, LR_SCHEDULES)
         _int("pipeline.stages", p.stages, 1, "use at least one stage")
         _int("pipeline.microbatches", p.microbatches, 1, "split each batch into at least one micro-batch")
+        _int("pipeline.accumulate", p.accumulate, 1, "use 1 for one micro-batch per update")
         _int("train.max_steps", t.max_steps, 1, "train for at least one update")
         _int("train.batch_size", t.batch_size, 1, "use a positive batch size")
         _int("train.log_every", t.log_every, 1, "log at least every update count >= 1")
@@ -183,6 +188,16 @@ class Config:
             raise ConfigError(
                 f"train.batch_size={t.batch_size} is not divisible by pipeline.microbatches={p.microbatches}; "
                 "gpipe splits each batch into equal micro-batches"
+            )
+        if p.accumulate > 1 and p.method in ("gpipe", "dataparallel"):
+            fix = "set pipeline.microbatches instead" if p.method == "gpipe" else "remove it"
+            raise ConfigError(
+                f"pipeline.accumulate={p.accumulate} does not apply to pipeline.method={p.method}; {fix}"
+            )
+        if p.accumulate > 1 and t.batch_size % p.accumulate:
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} is not divisible by pipeline.accumulate={p.accumulate}; each batch "
+                "is split into equal micro-batches: pick a multiple of pipeline.accumulate"
             )
         if p.method == "dataparallel":
             if t.batch_size % p.stages:

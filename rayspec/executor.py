@@ -72,7 +72,7 @@ class Executor(ABC):
     ) -> list[float]:
         """Run one segment over ``(input, labels)`` micro-batches, pulled lazily in order.
 
-        Returns the losses per micro-batch, scaled as trained (``1/group`` for ``gpipe``);
+        Returns the losses per micro-batch, scaled as trained (``1/group``);
         ``on_loss(m, loss)`` is called as they become known, for progress reports.
         """
 

@@ -227,7 +227,7 @@ class _Progress:
         self.partial.append(value)
         if len(self.partial) < self.group:
             return
-        update_loss, self.partial = sum(self.partial), []  # gpipe losses are scaled by 1/group already
+        update_loss, self.partial = sum(self.partial), []  # losses are scaled by 1/group already
         self.updates += 1
         self.window.append(update_loss)
         if self.updates % self.c.train.log_every == 0 or self.updates == self.c.train.max_steps:
@@ -289,7 +289,8 @@ def train(
     c, p = config, config.pipeline
     n_blocks = ", ".join(str(b) for b in prepared.balance)
     echo(f"rayspec: {p.method} ({p.variant}) on {p.stages} stages [{n_blocks} blocks], model={c.model['name']}"
-         f"/{c.model.get('size', 'full')}, data={c.data['name']}, executor={p.executor}")
+         f"/{c.model.get('size', 'full')}, data={c.data['name']}, executor={p.executor}"
+         + (f", {p.group} micro-batches per update" if p.group > 1 else ""))
     if prepared.plan is not None:
         echo(f"partition ({prepared.plan.partition}, times per micro-batch on this machine's CPU):")
         for line in prepared.plan.table().splitlines():

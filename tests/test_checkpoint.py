@@ -67,9 +67,12 @@ def interrupted_then_resumed(cfg: dict, tmp_path: Path, stop_at: int = 7, resume
     ("vanilla", "paper", "linear"), ("gpipe", "paper", "linear"), ("async", "paper", "linear"),
     ("pipedream", "paper", "linear"), ("spectrain", "paper", "linear"), ("spectrain", "consistent", "linear"),
     ("spectrain", "paper", "adaptive"),  # the damping and the probe's pending predictions are checkpointed too
+    ("spectrain accumulate=2", "paper", "linear"),
 ])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, method, variant, predictor):
+    method, *accumulate = method.split(" accumulate=")
     cfg = settings(method, variant, predictor=predictor)
+    cfg["pipeline"]["accumulate"] = int(accumulate[0]) if accumulate else 1
     full = train(from_mapping(cfg), tmp_path / "a", **QUIET)
     resumed = interrupted_then_resumed(cfg, tmp_path)
     assert resumed["resumed_from"] == 5 and full["resumed_from"] is None
@@ -125,6 +128,7 @@ def test_resume_refuses_a_different_run(tmp_path):
     for section, key, value, message in [
         ("pipeline", "method", "pipedream", "pipeline.method='spectrain' but this run has pipeline.method='pipedream'"),
         ("pipeline", "stages", 2, "pipeline.stages=3 but this run has pipeline.stages=2"),
+        ("pipeline", "accumulate", 2, "pipeline.accumulate=1 but this run has pipeline.accumulate=2"),
         ("train", "batch_size", 32, "train.batch_size=16 but this run has train.batch_size=32"),
         ("pipeline", "balance", [1, 1, 5], "differs from the balance [3, 2, 2]"),
         ("train", "max_steps", 12, "already reaches train.max_steps=12"),

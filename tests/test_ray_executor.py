@@ -22,8 +22,9 @@ def executor(request, ray_session, tiny):
     ex.close()
 
 
-def _run_ray(ex, model, data, method, variant="paper", backward="mixed", updates=UPDATES, batch=32, predictor="linear"):
-    group = 4 if method == "gpipe" else 1
+def _run_ray(ex, model, data, method, variant="paper", backward="mixed", updates=UPDATES, batch=32, predictor="linear",
+             group=None):
+    group = group or (4 if method == "gpipe" else 1)
     ex.load(make_stages(model, method, N, group=group, backward=backward, predictor=predictor))
     ex.method, ex.variant = method, variant
     schedule = build_schedule(METHOD_SCHEDULE[method], N, updates * group, group=group)
@@ -62,6 +63,17 @@ def test_ray_equals_local_spectrain_options(executor, tiny, variant, backward, p
         assert got.keys() == expected.keys()
         for key, value in expected.items():
             assert got[key] == (value if value is None else pytest.approx(value, rel=1e-6, abs=1e-12)), key
+
+
+@pytest.mark.parametrize("method", ["pipedream", "spectrain"])
+def test_ray_equals_local_accumulated(executor, tiny, method):
+    """``pipeline.accumulate = 4``: 1F1B across batches, one update per 4 micro-batches, on every transport."""
+    model, data = tiny
+    got, losses = _run_ray(executor, model, data, method, updates=8, group=4)
+    ref_ex, ref_losses, _ = run_local(model, data, method, N, updates=8, group=4)
+    assert_same_weights(got, ref_ex.state_dict())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    assert [s["version"] for s in executor.stage_stats()] == [8] * N
 
 
 @pytest.mark.parametrize("method", ["vanilla", "gpipe"])

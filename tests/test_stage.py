@@ -60,6 +60,29 @@ def test_gpipe_is_sgd_on_the_accumulated_batch(tiny, n):
     assert_same_weights(ex.state_dict(), plain_sgd(model, data, 12, 32))
 
 
+@pytest.mark.parametrize("method", ["async", "pipedream", "spectrain"])
+def test_one_stage_accumulated_is_sgd_on_the_batch(tiny, method):
+    """``pipeline.accumulate``: one stage has no staleness, so 1F1B over 4 micro-batches per update is SGD on the
+    whole batch, whatever the method's policy (nothing to stash or predict)."""
+    model, data = tiny
+    ex, losses, sched = run_local(model, data, method, 1, updates=12, batch=32, group=4)
+    assert sched.updates == 12 and len(losses) == 48
+    assert_same_weights(ex.state_dict(), plain_sgd(model, data, 12, 32))
+
+
+def test_accumulated_spectrain_predicts_only_across_updates(tiny):
+    """On 4 stages with 4 micro-batches per update, only actions that straddle an update are predicted; the run
+    differs from SGD (staleness is real) and from the same run without prediction (async)."""
+    model, data = tiny
+    ex, _, sched = run_local(model, data, "spectrain", 4, updates=12, batch=32, group=4)
+    s = sched.version_differences("paper")
+    assert 0 < sum(v > 0 for v in s.values()) < len(s) / 2
+    got, ref = ex.state_dict(), plain_sgd(model, data, 12, 32)
+    plain = run_local(model, data, "async", 4, updates=12, batch=32, group=4)[0].state_dict()
+    assert max((got[k] - ref[k]).abs().max().item() for k in ref) > 1e-5
+    assert max((got[k] - plain[k]).abs().max().item() for k in ref) > 1e-6
+
+
 def test_asynchronous_methods_differ_from_sgd(tiny):
     """Staleness is real: async 1F1B does not reproduce sequential SGD."""
     model, data = tiny

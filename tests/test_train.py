@@ -55,10 +55,11 @@ def test_quickstart_cli_writes_the_run_directory(tmp_path):
     model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
 
 
-@pytest.mark.parametrize("method", ["vanilla", "gpipe", "async", "pipedream", "spectrain"])
+@pytest.mark.parametrize("method", ["vanilla", "gpipe", "async", "pipedream", "spectrain", "spectrain accumulate=4"])
 def test_every_method_trains_locally(tmp_path, method):
+    method, *extra = method.split()
     config = from_mapping(compose_config(f"pipeline.method={method}", "pipeline.executor=local", "train.max_steps=40",
-                                         "train.log_every=10", "model.size=tiny"))
+                                         "train.log_every=10", "model.size=tiny", *[f"pipeline.{e}" for e in extra]))
     summary = train(config, tmp_path, echo=lambda _: None)
     assert summary["updates"] == 40 and summary["final_train_loss"] < 2.31
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -85,6 +86,10 @@ BAD = [
     (["pipeline.transport=carrier_pigeon"], ConfigError, "pipeline.transport='carrier_pigeon' is unknown"),
     (["pipeline.method=gpipe", "pipeline.microbatches=0"], ConfigError, "pipeline.microbatches=0 must be >= 1"),
     (["pipeline.method=gpipe", "pipeline.microbatches=5"], ConfigError, "not divisible by pipeline.microbatches=5"),
+    (["pipeline.accumulate=0"], ConfigError, "pipeline.accumulate=0 must be >= 1"),
+    (["pipeline.accumulate=5"], ConfigError, "train.batch_size=64 is not divisible by pipeline.accumulate=5"),
+    (["pipeline.method=gpipe", "pipeline.accumulate=2"], ConfigError,
+     "pipeline.accumulate=2 does not apply to pipeline.method=gpipe; set pipeline.microbatches instead"),
     (["optim.lr=0"], ConfigError, "optim.lr=0 must be a positive number"),
     (["optim.lr=-0.1"], ConfigError, "optim.lr=-0.1 must be a positive number"),
     (["optim.momentum=1.5"], ConfigError, "optim.momentum=1.5 must be in [0, 1)"),
