@@ -473,7 +473,7 @@ class RayspecRunner:
             raise ValueError(f"runner={runner!r} is unknown; choose one of {', '.join(RAYSPEC_RUNNERS)}")
         self.runner, self.cfg = runner, cfg
         method = "spectrain" if runner.startswith("spectrain") else "gpipe"
-        self.group = 1 if runner == "spectrain" else cfg.microbatches
+        self.group = rayspec_schedule(runner, cfg.microbatches, 1).group
         stages = [Stage(copy.deepcopy(p), k, 2, policy=METHOD_POLICY[method], lr=cfg.lr, momentum=cfg.momentum,
                         group=self.group) for k, p in enumerate(parts)]
         self.batches = make_batches(cfg)

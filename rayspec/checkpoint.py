@@ -40,7 +40,8 @@ _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 _FIXED = (
     ("model",), ("data",), ("seed",), ("pipeline", "method"), ("pipeline", "variant"), ("pipeline", "predictor"),
     ("pipeline", "backward"),
-    ("pipeline", "stages"), ("pipeline", "microbatches"), ("pipeline", "accumulate"), ("train", "batch_size"), ("train", "train_samples"),
+    ("pipeline", "stages"), ("pipeline", "microbatches"), ("pipeline", "accumulate"), ("train", "batch_size"),
+    ("train", "train_samples"),
     ("optim", "momentum"), ("optim", "weight_decay"), ("optim", "dampening"), ("optim", "nesterov"),
 )
 
@@ -122,10 +123,9 @@ def check_compatible(saved: dict[str, Any], config: Config, path: Path) -> None:
     from dataclasses import asdict
 
     now = json.loads(json.dumps(asdict(config), default=str))
+    defaults = json.loads(json.dumps(asdict(Config()), default=str))  # for settings added after a checkpoint
     for key in _FIXED:
-        a, b = _get(saved, key), _get(now, key)
-        if key == ("pipeline", "accumulate") and a is None:  # written before the setting existed
-            a = 1
+        a, b = _get(saved, key, _get(defaults, key)), _get(now, key)
         if a != b:
             name = ".".join(key)
             raise ConfigError(
@@ -140,9 +140,12 @@ def config_json(config: Config) -> str:
     return json.dumps(asdict(config), default=str)
 
 
-def _get(tree: dict[str, Any], key: tuple[str, ...]) -> Any:
+def _get(tree: dict[str, Any], key: tuple[str, ...], missing: Any = None) -> Any:
+    """``tree[k0][k1]...``; ``missing`` where a level lacks the key (a ``None`` value stays ``None``)."""
     for k in key:
-        tree = tree.get(k) if isinstance(tree, dict) else None  # type: ignore[assignment]
+        if not isinstance(tree, dict) or k not in tree:
+            return missing
+        tree = tree[k]
     return tree
 
 

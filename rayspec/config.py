@@ -184,20 +184,16 @@ class Config:
             raise ConfigError(f"optim.weight_decay={o.weight_decay!r} must be >= 0")
         if o.nesterov and (o.momentum <= 0 or o.dampening != 0):
             raise ConfigError("optim.nesterov=true needs optim.momentum > 0 and optim.dampening=0")
-        if p.method == "gpipe" and t.batch_size % p.microbatches:
-            raise ConfigError(
-                f"train.batch_size={t.batch_size} is not divisible by pipeline.microbatches={p.microbatches}; "
-                "gpipe splits each batch into equal micro-batches"
-            )
         if p.accumulate > 1 and p.method in ("gpipe", "dataparallel"):
             fix = "set pipeline.microbatches instead" if p.method == "gpipe" else "remove it"
             raise ConfigError(
                 f"pipeline.accumulate={p.accumulate} does not apply to pipeline.method={p.method}; {fix}"
             )
-        if p.accumulate > 1 and t.batch_size % p.accumulate:
+        if t.batch_size % p.group:
+            key = "pipeline.microbatches" if p.method == "gpipe" else "pipeline.accumulate"
             raise ConfigError(
-                f"train.batch_size={t.batch_size} is not divisible by pipeline.accumulate={p.accumulate}; each batch "
-                "is split into equal micro-batches: pick a multiple of pipeline.accumulate"
+                f"train.batch_size={t.batch_size} is not divisible by {key}={p.group}; each batch is split into "
+                f"equal micro-batches: pick a multiple of {key}"
             )
         if p.method == "dataparallel":
             if t.batch_size % p.stages:
