@@ -199,6 +199,15 @@ def _wire(x: Any, host: bool = True) -> Any:
     return x
 
 
+def _as_tensors(x: Any) -> Any:
+    """Numpy arrays that came over the wire as tensors (copied: Ray hands out read-only memory); the rest as is."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x.copy())
+    if isinstance(x, tuple):
+        return tuple(_as_tensors(t) for t in x)
+    return x
+
+
 def _own(x: Any) -> Any:
     """A private tensor copy of what a channel delivered: a channel's buffer is reused by its next write."""
     if isinstance(x, np.ndarray):

@@ -15,7 +15,7 @@ __all__ = ["TRANSPORTS", "ConfigError", "Config", "PipelineConfig", "OptimConfig
 
 METHODS = ("dataparallel", *METHOD_SCHEDULE)  # dataparallel has no pipeline schedule: rayspec.dataparallel
 PARTITIONS = ("uniform", "parameters", "profile")
-TRANSPORTS = ("auto", "object_store", "gloo", "nccl", "compiled")
+TRANSPORTS = ("auto", "object_store", "gloo", "nccl", "compiled", "p2p")
 LOGGERS = ("none", "wandb")
 
 
@@ -45,9 +45,11 @@ class PipelineConfig:
     only micro-batches that straddle an update see a stale (or predicted) version. 1: a batch is one micro-batch."""
     executor: Literal["local", "ray"] = "ray"
     """``local``: all stages in this process (the reference); ``ray``: one actor per stage."""
-    transport: Literal["auto", "object_store", "gloo", "nccl", "compiled"] = "auto"
-    """How activations move: ``auto`` = nccl RDT on GPUs, zero-copy object store on CPU; ``compiled``: a Ray
-    Compiled Graph (shared-memory channels on a node, NCCL between GPUs), no Ray task per action."""
+    transport: Literal["auto", "object_store", "gloo", "nccl", "compiled", "p2p"] = "auto"
+    """How activations move: ``auto`` = nccl RDT on GPUs, ``p2p`` on CPU; ``p2p`` (CPU stages): each stage runs
+    its actions chunk by chunk and sends to its neighbours over gloo; ``object_store``: one Ray actor call per
+    action, tensors through the zero-copy object store; ``compiled``: a Ray Compiled Graph (shared-memory
+    channels on a node, NCCL between GPUs)."""
     partition: Literal["uniform", "parameters", "profile"] = "uniform"
     """How blocks are split among stages when ``balance`` is not given."""
     balance: list[int] | None = None
@@ -57,7 +59,8 @@ class PipelineConfig:
     gpus_per_stage: float | None = None
     """GPUs per stage actor; default 1 when the Ray cluster has GPUs, else 0 (a stage actor given a GPU computes on it)."""
     max_in_flight: int | None = None
-    """Bound on micro-batches in flight; default: what the schedule needs."""
+    """``object_store``, ``gloo``, ``nccl``: bound on micro-batches in flight; default: twice what the schedule
+    needs. ``p2p`` and ``compiled`` keep what the schedule needs and the inputs of two chunks."""
     placement: Literal["pack", "spread"] = "pack"
     """Placement-group strategy for the stage actors."""
 
@@ -215,6 +218,11 @@ class Config:
             v = getattr(p, name)
             if v is not None and (not _number(v) or v < 0 or (name == "cpus_per_stage" and v == 0)):
                 raise ConfigError(f"pipeline.{name}={v!r} must be a positive number (or null for the default)")
+        if p.transport == "p2p" and p.gpus_per_stage:
+            raise ConfigError(
+                f"pipeline.transport=p2p moves CPU tensors over gloo, but pipeline.gpus_per_stage={p.gpus_per_stage:g}; "
+                "use pipeline.transport=nccl or compiled for stages on GPUs, or pipeline.gpus_per_stage=0"
+            )
         if p.transport == "nccl":
             import torch
 

@@ -22,9 +22,10 @@ import torch
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayspec.compiled import ChunkRunner, CompiledPipeline
+from rayspec.compiled import ChunkRunner, CompiledPipeline, _as_tensors, _wire
 from rayspec.config import TRANSPORTS, ConfigError
 from rayspec.executor import Executor, MicrobatchFeed, check_stages, fused_backward, plan, stats_of
+from rayspec.p2p import P2PPipeline, P2PRunner
 from rayspec.schedule import Schedule
 from rayspec.stage import Activation, Stage
 
@@ -111,17 +112,18 @@ def task_cause(err: BaseException) -> BaseException:
 
 
 def resolve_transport(transport: str, use_gpu: bool) -> str:
-    """``auto`` is ``nccl`` RDT on GPUs and the (zero-copy) object store on CPU (DESIGN §3); ``compiled`` is
-    a Ray Compiled Graph over the same actors (``rayspec.compiled``)."""
+    """``auto`` is ``nccl`` RDT on GPUs and ``p2p`` on CPU (``rayspec.p2p``: 1.4x the object store's samples/s
+    in the trainer, ``benchmarks.throughput``); ``compiled`` is a Ray Compiled Graph over the same actors
+    (``rayspec.compiled``)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"pipeline.transport={transport!r} is unknown; choose one of {', '.join(TRANSPORTS)}")
     if transport == "auto":
-        return "nccl" if use_gpu else "object_store"
+        return "nccl" if use_gpu else "p2p"
     return transport
 
 
 @ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
-class StageActor(ChunkRunner):
+class StageActor(ChunkRunner, P2PRunner):
     """A thin Ray wrapper around one ``Stage``; logs carry a ``[stage k]`` prefix."""
 
     def __init__(self, stage: Stage, threads: int = 1) -> None:
@@ -144,7 +146,7 @@ class StageActor(ChunkRunner):
         logging.getLogger(__name__).debug("[stage %d] loaded", stage.index)
 
     def forward(self, m: int, x: Activation, labels: torch.Tensor | None = None, s: int = 0) -> Activation:
-        out = self.stage.forward(m, x, labels, s)
+        out = self.stage.forward(m, _as_tensors(x), _as_tensors(labels), s)
         if self.stage.is_last:
             self.losses[m] = float(out)
             return None
@@ -157,7 +159,7 @@ class StageActor(ChunkRunner):
         self, m: int, x: Activation, labels: torch.Tensor, s: int, s_b: int, update: bool
     ) -> Activation:
         """The last stage's ``F(m)`` and ``B(m)`` in one call: one actor call fewer on the critical path."""
-        self.losses[m] = float(self.stage.forward(m, x, labels, s))
+        self.losses[m] = float(self.stage.forward(m, _as_tensors(x), _as_tensors(labels), s))
         return _contiguous(self.stage.backward(m, None, s_b, update))
 
     def pop_losses(self) -> dict[int, float]:
@@ -199,12 +201,13 @@ class RayExecutor(Executor):
     Args:
         stages: the stages to ship to the actors (their current weights and settings).
         method, variant: as for ``LocalExecutor``.
-        transport: ``auto``, ``object_store``, ``gloo``, ``nccl`` or ``compiled`` (see ``resolve_transport``).
+        transport: ``auto``, ``object_store``, ``gloo``, ``nccl``, ``compiled`` or ``p2p`` (see ``resolve_transport``).
         cpus_per_stage: CPUs reserved by each stage actor (fractional is fine on CPU).
         gpus_per_stage: GPUs per stage actor (1 on GPU machines, 0 on CPU).
         max_in_flight: micro-batches allowed between their stage-0 forward and backward; raised
-            to what the schedule itself needs; default twice that (``compiled``: what the schedule needs).
-        chunk: ``compiled`` only: micro-batches per execution of the compiled graph.
+            to what the schedule itself needs; default twice that (``compiled``, ``p2p``: what the schedule
+            needs, plus the inputs of two chunks).
+        chunk: ``compiled`` and ``p2p``: micro-batches per execution of the compiled graph, per call to a stage.
         placement_group: a group to place the stages in (e.g. a Tune trial's), stage ``k`` in
             bundle ``bundle_offset + k``; by default the executor creates and owns one.
         placement_strategy: ``PACK`` or ``SPREAD`` for the group it creates.
@@ -230,6 +233,11 @@ class RayExecutor(Executor):
         self.method, self.variant = method, variant
         self.num_stages = len(stages)
         self.transport = resolve_transport(transport, gpus_per_stage > 0)
+        if self.transport == "p2p" and gpus_per_stage > 0:
+            raise ConfigError(
+                f"pipeline.transport=p2p moves CPU tensors over gloo, but the stages have {gpus_per_stage:g} GPU each; "
+                "use pipeline.transport=nccl or compiled on GPUs (or pipeline.gpus_per_stage=0)"
+            )
         self.max_in_flight = max_in_flight
         self._owns_pg = placement_group is None
         if placement_group is None:
@@ -244,19 +252,22 @@ class RayExecutor(Executor):
             from ray.experimental.collective import create_collective_group
 
             create_collective_group(self.actors, backend=self.transport)
-        self._compiled = None
+        self._compiled = self._p2p = None
+        self._chunk = chunk
+        if self.transport == "p2p":
+            self._p2p = P2PPipeline(self.actors, chunk)
         if self.transport == "compiled":
             self._compiled = CompiledPipeline(self.actors, chunk, nccl=gpus_per_stage >= 1)
             if gpus_per_stage == 0 and cpus_per_stage < 1:
                 log.warning("pipeline.transport=compiled with %.2g CPUs per stage: a compiled graph's stage spins a "
                             "core while it waits, so stages that share cores slow each other down; give each stage "
-                            "a core (pipeline.cpus_per_stage=1) or use pipeline.transport=object_store",
+                            "a core (pipeline.cpus_per_stage=1) or use pipeline.transport=p2p",
                             cpus_per_stage)
 
     def _spawn(self, k: int, stage: Stage) -> Any:
         """A stage actor for stage ``k`` in its bundle."""
         cpus, gpus, offset = self._resources
-        env = {"env_vars": dict(_ZERO_COPY)} if self.transport == "object_store" else None
+        env = {"env_vars": dict(_ZERO_COPY)} if self.transport in ("object_store", "p2p") else None
         return StageActor.options(  # type: ignore[attr-defined]
             num_cpus=cpus,
             num_gpus=gpus,
@@ -275,6 +286,9 @@ class RayExecutor(Executor):
         """
         if self._rdt:
             raise RuntimeError(f"transport={self.transport}: a collective group cannot be revived; recreate the executor")
+        if self._p2p is not None:  # a failed segment leaves the live stages waiting on their neighbours
+            self._respawn(stages)
+            return list(range(self.num_stages))
         if self._compiled is not None:
             self._compiled.teardown()
         if len(stages) != self.num_stages:
@@ -298,10 +312,22 @@ class RayExecutor(Executor):
         return dead
 
     def load(self, stages: Sequence[Stage]) -> None:
-        """Ship new stages to the live actors (same count), e.g. to restart from other weights."""
+        """Ship new stages to the live actors (same count), e.g. to restart from other weights; ``p2p`` after a
+        failed segment: to new actors."""
         if len(stages) != self.num_stages:
             raise ValueError(f"got {len(stages)} stages for {self.num_stages} actors")
+        if self._p2p is not None and self._p2p.broken:
+            self._respawn(stages)
+            return
         ray.get([a.load.remote(st) for a, st in zip(self.actors, stages)])
+
+    def _respawn(self, stages: Sequence[Stage]) -> None:
+        """``p2p``: new actors for every stage, in the same bundles, and a new gloo group among them."""
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = [self._spawn(k, stage) for k, stage in enumerate(stages)]
+        ray.get([a.stats.remote() for a in self.actors])
+        self._p2p = P2PPipeline(self.actors, self._chunk)
 
     def _call(self, method: Any, sends_tensors: bool) -> Any:
         if self._rdt and sends_tensors:
@@ -321,7 +347,7 @@ class RayExecutor(Executor):
         feed = MicrobatchFeed(microbatches, schedule.microbatches)
         losses: dict[int, float] = {}
         s = schedule.version_differences(self.variant) if self.method == "spectrain" else None
-        if self._compiled is not None:
+        if self._compiled is not None or self._p2p is not None:
 
             def chunk_done(part: dict[int, float]) -> None:
                 for m, loss in sorted(part.items()):
@@ -329,7 +355,10 @@ class RayExecutor(Executor):
                     if on_loss is not None:
                         on_loss(m, loss)
 
-            self._compiled.run(schedule, s, feed, chunk_done)
+            if self._p2p is not None:
+                self._p2p.run(schedule, self.method, self.variant, feed, chunk_done)
+            elif self._compiled is not None:
+                self._compiled.run(schedule, s, feed, chunk_done)
             return [losses[m] for m in range(schedule.microbatches)]
         reports: deque = deque()  # pop_losses refs, oldest first
         last_forwards = 0
@@ -353,13 +382,14 @@ class RayExecutor(Executor):
                         finished0 += 1
                     started0 += 1
                     self._collect(reports, losses, on_loss, block=False)
-                x = feed.input(m) if k == 0 else acts.pop((k - 1, m))
+                # What the driver sends goes as numpy arrays, which Ray ships without a copy (tensors: pickled)
+                x = _wire(feed.input(m)) if k == 0 else acts.pop((k - 1, m))
                 if p.fused:
                     sb, update = fused_backward(schedule, m, s)
-                    ref = self._call(actor.forward_backward, k > 0).remote(m, x, feed.labels(m), p.s, sb, update)
+                    ref = self._call(actor.forward_backward, k > 0).remote(m, x, _wire(feed.labels(m)), p.s, sb, update)
                     self._after_backward(k, m, ref, grads, done0)
                 elif k == last:
-                    actor.forward.remote(m, x, feed.labels(m), p.s)
+                    actor.forward.remote(m, x, _wire(feed.labels(m)), p.s)
                 else:
                     acts[(k, m)] = self._call(actor.forward, True).remote(m, x, None, p.s)
             else:

@@ -29,7 +29,7 @@ def settings(executor: str = "ray", max_restarts: int = 2, transport: str = "aut
     }
 
 
-@pytest.mark.parametrize("transport", ["object_store", "compiled"])
+@pytest.mark.parametrize("transport", ["object_store", pytest.param("compiled", marks=pytest.mark.slow), "p2p"])
 def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_session, transport):
     killer = KillActor(at=12)
     lines: list[str] = []
@@ -98,6 +98,7 @@ def test_killed_driver_actor_is_replaced_and_the_run_resumes_from_the_last_check
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_without_restarts_a_dead_driver_actor_stops_the_run_and_names_the_checkpoint(tmp_path, ray_session):
     with pytest.raises(RunFailed) as info:
         train(from_mapping(settings(max_restarts=0)), tmp_path, callbacks=[KillActor(at=7, title="DriverActor")],

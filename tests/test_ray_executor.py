@@ -13,11 +13,13 @@ N = 4
 UPDATES = 16
 
 
-@pytest.fixture(scope="module", params=["object_store", "gloo", "compiled"])
+@pytest.fixture(scope="module", params=["object_store", "gloo", "compiled", "p2p"])
 def executor(request, ray_session, tiny):
-    """One set of 4 stage actors per transport, reloaded with fresh stages for each method."""
+    """One set of 4 stage actors per transport, reloaded with fresh stages for each method; p2p in chunks of 5
+    micro-batches, so that 1F1B crosses from chunk to chunk."""
     model, _ = tiny
-    ex = RayExecutor(make_stages(model, "vanilla", N), "vanilla", transport=request.param, cpus_per_stage=0.5)
+    ex = RayExecutor(make_stages(model, "vanilla", N), "vanilla", transport=request.param, cpus_per_stage=0.5,
+                     chunk=5 if request.param == "p2p" else 16)
     yield ex
     ex.close()
 

@@ -117,6 +117,8 @@ BAD = [
     (["checkpoint.resume=/nonexistent/run"], ConfigError, "checkpoint.resume=/nonexistent/run is neither"),
     (["fault.max_restarts=-2"], ConfigError, "fault.max_restarts=-2 must be >= 0"),
     (["+checkpoint.evry=5"], ConfigError, "unknown key(s) checkpoint.evry"),
+    (["pipeline.transport=p2p", "pipeline.gpus_per_stage=1"], ConfigError,
+     "pipeline.transport=p2p moves CPU tensors over gloo, but pipeline.gpus_per_stage=1"),
 ]
 if not torch.cuda.is_available():
     BAD.append((["pipeline.transport=nccl"], ConfigError, "pipeline.transport=nccl needs GPUs"))

@@ -24,7 +24,8 @@ def _overrides(model):
             "train.max_steps=4", "train.batch_size=16", "train.log_every=2", "pipeline.cpus_per_stage=0.5"]
 
 
-SLOW = {"resnet152", "densenet121", "googlenet", "inception_v4", "snn"}  # run with pytest -m slow
+# run with pytest -m slow; the default set keeps one image and one text model on Ray
+SLOW = {"vgg16", "resnet50", "resnet152", "densenet121", "googlenet", "inception_v4", "snn", "residual_lstm"}
 
 
 @pytest.mark.parametrize("model", [m if m not in SLOW else pytest.param(m, marks=pytest.mark.slow)
@@ -52,7 +53,8 @@ def test_tiny_model_trains_on_ray_like_local(model, tmp_path, ray_session):
 
 
 @pytest.mark.parametrize(("model_name", "transport"), [
-    ("transformer", "object_store"), ("residual_lstm", "gloo"),
+    ("transformer", "p2p"), ("residual_lstm", "gloo"),
+    pytest.param("transformer", "object_store", marks=pytest.mark.slow),
     pytest.param("transformer", "gloo", marks=pytest.mark.slow),
     pytest.param("residual_lstm", "object_store", marks=pytest.mark.slow),
 ])

@@ -1,0 +1,161 @@
+"""Chunk plans of the p2p data path: each stage replays its schedule, and stages that block on their neighbours
+never deadlock; the message format round-trips. Ray's side is in test_ray_executor and test_fault."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.peer import flushed_1f1b
+from rayspec.p2p import _DTYPES, _HEADER_BYTES, _decode, _encode, _header, plan_p2p
+from rayspec.schedule import Action, Schedule, ScheduleError, build_schedule
+
+CASES = [("1f1b", n, m, g) for n in (1, 2, 3, 4, 6) for m, g in ((1, 1), (5, 1), (23, 1), (24, 4))] + [
+    ("gpipe", 4, 16, 4), ("gpipe", 3, 12, 12), ("gpipe", 2, 9, 3), ("vanilla", 4, 7, 1), ("vanilla", 1, 3, 1)]
+
+
+def replay(chunks, n):
+    out = [[] for _ in range(n)]
+    for per_stage in chunks:
+        for k in range(n):
+            for op in per_stage[k]:
+                out[k] += ([("F", op.m, False)] if op.kind != "B" else []) + (
+                    [("B", op.m, op.update)] if op.kind != "F" else [])
+    return out
+
+
+def runs_without_deadlock(chunks, n) -> bool:
+    """Stage actors that take one chunk call at a time, block on each receive (matched by sender, direction and
+    micro-batch), never on a send; the driver submits chunk c+2 only after chunk c ended on every stage."""
+    sent = set()  # (src, dst, micro-batch) sent and not yet received
+    submitted = min(2, len(chunks))
+    at = [[0, 0] for _ in range(n)]  # per stage: chunk, op index
+    while True:
+        moved = False
+        for k in range(n):
+            c, i = at[k]
+            if c >= submitted:
+                continue
+            op = chunks[c][k][i] if i < len(chunks[c][k]) else None
+            if op is not None:
+                src = k - 1 if op.kind != "B" else k + 1
+                if 0 <= src < n:
+                    if (src, k, op.m) not in sent:
+                        continue
+                    sent.remove((src, k, op.m))
+                dst = k + 1 if op.kind == "F" else k - 1
+                if 0 <= dst < n:
+                    sent.add((k, dst, op.m))
+                at[k][1] += 1
+            else:
+                at[k] = [c + 1, 0]
+            moved = True
+        while submitted < len(chunks) and all(at[k][0] > submitted - 2 for k in range(n)):
+            submitted += 1
+        if all(at[k][0] == len(chunks) for k in range(n)):
+            return not sent
+        if not moved:
+            return False
+
+
+@pytest.mark.parametrize("name,n,m,group", CASES)
+@pytest.mark.parametrize("width", [1, 3, 16])
+@pytest.mark.parametrize("method", ["gpipe", "spectrain"])
+def test_chunks_replay_the_schedule_and_never_deadlock(name, n, m, group, width, method):
+    schedule = build_schedule(name, n, m, group=group)
+    chunks = plan_p2p(schedule, method, "paper", width)
+    assert replay(chunks, n) == [[(a.kind, a.microbatch, a.update) for a in acts] for acts in schedule.actions]
+    assert runs_without_deadlock(chunks, n)
+    s = schedule.version_differences("paper")
+    for per_stage in chunks:  # s travels with each op: F its own, B and the fused FB's backward the backward's
+        for k, ops in enumerate(per_stage):
+            for op in ops:
+                if method == "gpipe":
+                    assert op.s == op.s_b == 0
+                else:
+                    assert op.s == s[(k, "B" if op.kind == "B" else "F", op.m)]
+                    assert op.kind != "FB" or op.s_b == s[(k, "B", op.m)]
+    if name == "gpipe":  # a flushed schedule's chunks hold whole updates
+        for per_stage in chunks:
+            for ops in per_stage:
+                backwards = sorted(op.m for op in ops if op.kind != "F")
+                assert backwards == list(range(backwards[0], backwards[0] + len(backwards)))
+                assert backwards[0] % group == 0 and len(backwards) % group == 0
+
+
+def test_flushed_1f1b_and_every_chunk_has_work_for_every_stage():
+    schedule = flushed_1f1b(2, 8, 5)
+    chunks = plan_p2p(schedule, "gpipe", "paper", 16)
+    assert len(chunks) == 3 and all(ops for per_stage in chunks for ops in per_stage)
+    assert runs_without_deadlock(chunks, 2)
+
+
+def test_a_schedule_that_needs_a_later_chunk_is_refused():
+    """Stage 0 runs B1 before B0, stage 1 B0 before B1: cut after B0, stage 0's chunk 0 needs stage 1's chunk 1."""
+    acts0 = (Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 1, True), Action(0, "B", 0, True))
+    acts1 = (Action(1, "F", 0), Action(1, "F", 1), Action(1, "B", 0, True), Action(1, "B", 1, True))
+    schedule = Schedule("custom", 2, 2, 1, (acts0, acts1))
+    with pytest.raises(ScheduleError, match="cannot run in chunks of 1"):
+        plan_p2p(schedule, "async", "paper", 1)
+    assert runs_without_deadlock(plan_p2p(schedule, "async", "paper", 2), 2)
+
+
+VALUES = [
+    torch.randn(4, 3),
+    torch.tensor(2.5),
+    (torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool), None),
+    (torch.randint(0, 9, (3, 7)), torch.randn(3, 7).bfloat16(), torch.empty(0, 4), torch.arange(3, dtype=torch.int8)),
+]
+
+
+def same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return isinstance(b, tuple) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if a is None or b is None:
+        return a is b
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("value", VALUES)
+def test_messages_round_trip_whole_and_in_two_parts(value):
+    message = _encode(value)
+    assert message.dtype == torch.uint8 and message.dim() == 1
+    assert same(_decode(message), value)
+    # a larger receive buffer, as the receiver posts: the header says where the message ends
+    padded = torch.cat([message, torch.full((1000,), 7, dtype=torch.uint8)])
+    assert same(_decode(padded), value)
+    header, payload = _header(value)  # what travels apart when the message is over the capacity
+    assert torch.equal(header, message[:_HEADER_BYTES])
+    flat = value if isinstance(value, tuple) else (value,)
+    assert [b.numel() for b in payload] == [t.numel() * t.element_size() for t in flat if t is not None]
+    got = _decode(message)
+    for t in got if isinstance(got, tuple) else (got,):  # own storage: the buffer is not kept alive
+        assert t is None or t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_a_message_with_an_unsupported_tensor_is_a_clear_error():
+    assert torch.complex64 not in _DTYPES
+    with pytest.raises(TypeError, match="pipeline.transport=p2p sends CPU tensors"):
+        _encode(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="use pipeline.transport=object_store"):
+        _encode(tuple(torch.zeros(1, 1, 1, 1, 1, 1) for _ in range(10)))
+
+
+def test_messages_over_the_capacity_travel_in_parts_and_train_the_same(ray_session, tiny):
+    """With a receive capacity of only the header, every activation and gradient goes as the header and then
+    the tensor's bytes; the numbers stay the local executor's (whole messages: test_ray_executor)."""
+    from conftest import assert_same_weights, make_stages, microbatches, run_local
+
+    from rayspec.p2p import P2PPipeline
+    from rayspec.ray_executor import RayExecutor
+
+    model, data = tiny
+    ex = RayExecutor(make_stages(model, "spectrain", 3), "spectrain", transport="p2p", cpus_per_stage=0.5, chunk=4)
+    try:
+        ex._p2p = P2PPipeline(ex.actors, 4, capacity=0)  # the same gloo group, another receive size
+        losses = ex.run(build_schedule("1f1b", 3, 12), iter(microbatches(data, 12, 32)))
+        ref, ref_losses, _ = run_local(model, data, "spectrain", 3, updates=12)
+        assert_same_weights(ex.state_dict(), ref.state_dict())
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    finally:
+        ex.close()
