@@ -201,6 +201,7 @@ def _submit(head: RayHead, submission_id: str, overrides: list[str], timeout: fl
         time.sleep(2)
 
 
+@pytest.mark.slow
 def test_job_submit_to_a_ray_start_head(head, tmp_path):
     """``ray start --head``, then ``submit.sh`` (``ray job submit --working-dir .``) runs a smoke training job on
     that cluster: SUCCEEDED, on the Ray executor, and the job's run directory holds the §4 files."""

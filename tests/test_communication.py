@@ -100,6 +100,7 @@ def test_ring_allreduce_volume():
     assert dp_bytes(1000, 2)["ring_total"] == 2000
 
 
+@pytest.mark.slow
 def test_dataparallel_counts_the_gradient_bytes_once_per_update(tmp_path, ray_session):
     """Two Ray Train workers: each hands every gradient to all-reduce once per update, P * 4 bytes."""
     updates = 3

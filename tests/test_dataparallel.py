@@ -139,6 +139,7 @@ def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_se
     assert any(line.startswith("worker 1: busy") for line in lines)
 
 
+@pytest.mark.slow
 def test_four_workers_equal_sgd_on_the_global_batch(tmp_path, ray_session):
     """Four workers on two cores (half a CPU each by default), 16 samples each per update; Nesterov, warm-up, cosine."""
     config = dataparallel_config("pipeline.stages=4", "train.max_steps=12", "train.log_every=4", *SCHEDULED)
@@ -197,6 +198,7 @@ def test_a_tune_placement_group_is_refused_before_ray_train_starts(tmp_path):
     assert ended == [None]
 
 
+@pytest.mark.slow
 def test_an_interrupted_dataparallel_run_resumes_like_sgd(tmp_path, ray_session):
     """Stopped by a failure after update 12 (checkpoint at 10), resumed with checkpoint.resume=auto: the weights and
     the logged losses are still those of single-process SGD over all 24 updates, and no record is written twice."""
