@@ -495,7 +495,8 @@ def _run_pipeline(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
         write_gantt(timeline, run_dir / "timeline.png", title=f"{p.method} on {p.stages} stages, {c.model['name']}")
         echo(f"trace: {run_dir / 'trace.json'} (open in https://ui.perfetto.dev), {run_dir / 'timeline.png'}")
     sent = sum(sum(st["sent_bytes"].values()) for st in stats)
-    summary = write_summary(prepared, run_dir, echo, transport=p.transport, updates=done, last_loss=progress.last_loss,
+    transport = getattr(executor, "transport", p.transport)  # what auto resolved to on Ray
+    summary = write_summary(prepared, run_dir, echo, transport=transport, updates=done, last_loss=progress.last_loss,
                             evals=evals, train_s=run_s, wall_s=time.time() - wall_start, bubble=bubble,
                             bytes_per_update=sent / max(done, 1), stats=stats,
                             extra={"restarts": restarts, "checkpoint": str(_last(store, prepared)),

@@ -74,6 +74,7 @@ def test_local_and_ray_runs_agree(tmp_path, ray_session):
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k])
     assert a["final_train_loss"] == pytest.approx(b["final_train_loss"], rel=1e-5)
+    assert (a["transport"], b["transport"]) == ("auto", "p2p" if not torch.cuda.is_available() else "nccl")
 
 
 BAD = [
