@@ -194,6 +194,13 @@ def _decode_header(message: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype,
     return bool(words[0]), specs, words[2]
 
 
+def _source(op: P2POp, k: int, n: int) -> tuple[int, int] | None:
+    """The neighbour and tag that op ``op`` of stage ``k`` (of ``n``) receives its input from, if any."""
+    if op.kind == "B":
+        return (k + 1, 2 * op.m + _BACKWARD) if k < n - 1 else None
+    return (k - 1, 2 * op.m + _FORWARD) if k > 0 else None
+
+
 class P2PRunner:
     """The actor side, mixed into ``StageActor``: a gloo group over the stage actors and the chunk runner."""
 
@@ -214,6 +221,7 @@ class P2PRunner:
 
         self._p2p_capacity = capacity
         self._p2p_sends: deque = deque()  # (work, tensor) of sends not yet known complete
+        self._p2p_posted: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # receives started ahead
         if dist.is_initialized():
             return
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -229,7 +237,13 @@ class P2PRunner:
             The losses the last stage computed in this chunk (empty elsewhere).
         """
         k, n = self.stage.index, self.stage.num_stages  # type: ignore[attr-defined]
+        inputs = [src for src in (_source(op, k, n) for op in ops) if src is not None]
+        taken = 0
         for op in ops:
+            if _source(op, k, n) is not None:  # receive the input after this one ahead, while this op runs
+                taken += 1
+                if taken < len(inputs):
+                    self._p2p_post(*inputs[taken])
             if op.kind == "B":
                 grad = self._p2p_recv(k + 1, 2 * op.m + _BACKWARD) if k < n - 1 else None
                 out = self.backward(op.m, grad, op.s, op.update)  # type: ignore[attr-defined]
@@ -264,13 +278,24 @@ class P2PRunner:
         while self._p2p_sends and self._p2p_sends[0][0].is_completed():
             self._p2p_sends.popleft()
 
+    def _p2p_post(self, peer: int, tag: int) -> None:
+        """Start receiving the message ``tag`` from ``peer`` (once), so that it can arrive while this stage computes.
+
+        A receive may be larger than its message, never smaller (gloo aborts the process): a message that
+        fits the capacity comes whole, a larger one as its header and then each tensor's bytes.
+        """
+        import torch.distributed as dist
+
+        if (peer, tag) not in self._p2p_posted:
+            message = torch.empty(self._p2p_capacity, dtype=torch.uint8)
+            self._p2p_posted[(peer, tag)] = (dist.irecv(message, peer, tag=tag), message)
+
     def _p2p_recv(self, peer: int, tag: int) -> Any:
         import torch.distributed as dist
 
-        # A receive may be larger than its message, never smaller (gloo aborts the process): a message that
-        # fits the capacity comes whole, a larger one as its header and then each tensor's bytes.
-        message = torch.empty(self._p2p_capacity, dtype=torch.uint8)
-        dist.recv(message, peer, tag=tag)
+        self._p2p_post(peer, tag)
+        work, message = self._p2p_posted.pop((peer, tag))
+        work.wait()
         is_tuple, specs, size = _decode_header(message)
         if _HEADER_BYTES + size <= self._p2p_capacity:
             return _decode(message)
