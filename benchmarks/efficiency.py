@@ -1,6 +1,6 @@
 """Pipeline efficiency: ideal schedule makespan over measured time, with sleep-timed stages and with real compute.
 
-    python -m benchmarks.efficiency [--quick] [--stages 2,4] [--transports object_store,compiled] [--no-torch]
+    python -m benchmarks.efficiency [--quick] [--stages 2,4] [--transports p2p,compiled,object_store] [--no-torch]
                                     [--microbatches 32] [--forward-ms 20] [--backward-ms 40]
                                     [--real-stages 2] [--real-model mlp] [--real-size full] [--real-batch 64]
 
@@ -170,7 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--stages", default="2,4", help="stage counts of the sleep-timed runs")
-    ap.add_argument("--transports", default="object_store,compiled")
+    ap.add_argument("--transports", default="p2p,compiled,object_store")
     ap.add_argument("--microbatches", type=int, default=32)
     ap.add_argument("--forward-ms", type=float, default=20.0)
     ap.add_argument("--backward-ms", type=float, default=40.0)

@@ -18,6 +18,8 @@ instance each), for each activation size:
   stage's neighbours and Ray's own threads are to it on a 2-core machine);
 * ``compiled_hop``: the same hop inside a Ray Compiled Graph (``pipeline.transport=compiled``): a chain
   of ``echo`` calls between the 2 actors over shared-memory channels, no task per call;
+* ``p2p_hop``: the hop of ``pipeline.transport=p2p``: rayspec's message (header and bytes in one buffer)
+  from actor to actor over their gloo group, timed inside the actors (ping-pong);
 * ``ray_cpu_per_hop``: CPU seconds that all of Ray's processes (raylet, GCS, the two actors, ...) and
   the driver spend per hop of the chain (2 cores give at most 2 CPU seconds per second);
 * torch ``dist.send``/``recv`` over gloo between 2 plain processes (nice 0), one way: the data path of
@@ -43,6 +45,7 @@ from benchmarks.peer import (
     TorchPeer,
     build_parts,
     compiled_hop_s,
+    p2p_hop_s,
     process_cpu_s,
     process_tree,
     ray_system_pids,
@@ -131,6 +134,7 @@ def measure_ray(niceness: int | None, sizes: list[int], count: int) -> dict[str,
                     p.kill()
                     p.join()
             row["compiled_hop"] = compiled_hop_s(actors, (numel,), max(10, min(count, 50)))
+            row["p2p_hop"] = p2p_hop_s((numel,), count)
             out["sizes"][kib] = {k: v * 1e3 for k, v in row.items()}
             for a in actors:
                 ray.kill(a)
@@ -162,7 +166,7 @@ def main() -> None:
         runs["default"].append(measure_ray(None, sizes, count))
         runs["nice0"].append(measure_ray(0, sizes, count))
         torch_ms.append(measure_torch(sizes, count))
-    parts = ["pickle", "put_get", "call", "call_tensor", "hop", "hop_busy", "compiled_hop", "ray_cpu_per_hop"]
+    parts = ["pickle", "put_get", "call", "call_tensor", "hop", "hop_busy", "compiled_hop", "p2p_hop", "ray_cpu_per_hop"]
     rows = []
     for kib in sizes:
         torch_hop = statistics.median(t[kib] for t in torch_ms)
@@ -173,10 +177,11 @@ def main() -> None:
             row["torch_gloo_hop"] = round(torch_hop, 3)
             row["hop_over_torch"] = round(row["hop"] / torch_hop, 1)
             row["compiled_over_torch"] = round(row["compiled_hop"] / torch_hop, 1)
+            row["p2p_over_torch"] = round(row["p2p_hop"] / torch_hop, 1)
             row["busy_over_idle"] = round(row["hop_busy"] / row["hop"], 2)
             rows.append(row)
     print(table(rows, ["kib", "workers", *parts, "torch_gloo_hop", "hop_over_torch", "compiled_over_torch",
-                       "busy_over_idle"]))
+                       "p2p_over_torch", "busy_over_idle"]))
     if not args.quick:
         print(f"wrote {write('hops', {'count': count, 'rounds': rounds, 'unit': 'ms', 'rows': rows})}")
 

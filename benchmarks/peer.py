@@ -1,7 +1,7 @@
 """Peer comparison: rayspec on Ray against ``torch.distributed.pipelining`` on the same 2-stage split.
 
     python -m benchmarks.peer [--quick] [--model mlp] [--size full] [--batch 256] [--microbatches 8]
-                              [--steps 20] [--repeats 3] [--transports object_store,gloo,compiled]
+                              [--steps 20] [--repeats 3] [--transports p2p,compiled,object_store]
 
 The model (default: the ``full`` MLP, 8 hidden 1024-wide blocks, on ``(3, 32, 32)`` images) is cut
 into 2 stages by parameters; both sides start from the same weights, see the same batches
@@ -535,6 +535,8 @@ def ray_hop_s(transport: str, shape: tuple[int, ...], count: int = 50) -> float:
         def total(self, x: torch.Tensor) -> float:
             return float(x.sum())
 
+    if transport == "p2p":
+        return p2p_hop_s(shape, count)
     env = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}} if transport == "object_store" else None
     actors = [Hop.options(num_cpus=0.5, runtime_env=env).remote() for _ in range(2)]  # type: ignore[attr-defined]
     try:
@@ -562,6 +564,43 @@ def ray_hop_s(transport: str, shape: tuple[int, ...], count: int = 50) -> float:
         ray.get([a.total.remote(torch.zeros(1)) for a in actors])
         time.sleep(1.0)  # let Ray's RDT monitor see the last transfers complete before the actors go
         return per_hop
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def p2p_hop_s(shape: tuple[int, ...], count: int = 50) -> float:
+    """One-way seconds of a tensor between 2 Ray actors on ``pipeline.transport=p2p``'s data path: rayspec's
+    message (a header, then the bytes) over their gloo group, ping-pong timed inside the actors."""
+    import ray
+
+    from rayspec.p2p import P2PRunner
+
+    @ray.remote(num_cpus=0.5)
+    class P2PHop(P2PRunner):
+        def __init__(self) -> None:
+            torch.set_num_threads(1)
+
+        def pingpong(self, rank: int, n: int) -> float:
+            x = torch.randn(shape)
+            t0 = time.perf_counter()
+            for i in range(n):
+                if rank == 0:
+                    self._p2p_send(x, 1, 2 * i)
+                    x = self._p2p_recv(1, 2 * i + 1)
+                else:
+                    x = self._p2p_recv(0, 2 * i)
+                    self._p2p_send(x + 0.0, 0, 2 * i + 1)  # a fresh tensor, as a stage sends
+            while self._p2p_sends:
+                self._p2p_sends.popleft()[0].wait()
+            return time.perf_counter() - t0
+
+    actors = [P2PHop.remote() for _ in range(2)]  # type: ignore[attr-defined]
+    try:
+        address, port = ray.get(actors[0].p2p_rendezvous.remote(2, 120.0))
+        ray.get([a.p2p_init.remote(address, port, r, 2, 120.0) for r, a in enumerate(actors)])
+        ray.get([a.pingpong.remote(r, 5) for r, a in enumerate(actors)])
+        return ray.get([a.pingpong.remote(r, count) for r, a in enumerate(actors)])[0] / (2 * count)
     finally:
         for a in actors:
             ray.kill(a)
@@ -660,7 +699,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed batches per measurement")
     ap.add_argument("--warmup", type=int, default=2, help="untimed batches first, on each side")
     ap.add_argument("--repeats", type=int, default=3, help="torch/rayspec measurement pairs per runner")
-    ap.add_argument("--transports", default="object_store,gloo,compiled")
+    ap.add_argument("--transports", default="p2p,compiled,object_store")
     ap.add_argument("--runners", default=",".join(RAYSPEC_RUNNERS))
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--momentum", type=float, default=0.9)

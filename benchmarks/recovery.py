@@ -1,7 +1,7 @@
 """Recovery from a dead stage actor and a dead driver actor: detection and restart times, updates lost, and
 what checkpoints cost.
 
-    python -m benchmarks.recovery [--quick] [--every 10] [--steps 60] [--kill-at 25]
+    python -m benchmarks.recovery [--quick] [--every 10] [--steps 60] [--kill-at 25] [--transport auto]
 
 Four Ray runs of the same spectrain pipeline (4 stages, one process per stage) in one Ray instance:
 no checkpoints; a checkpoint every ``--every`` updates; the same, with the last stage actor's
@@ -11,7 +11,8 @@ noticing it (the driver actor for a stage, the calling process for the driver), 
 stages running again (a stage: the dead actor replaced and every stage reloaded; the driver: a new
 driver actor and new stage actors, every stage loaded), the updates lost (done since the last
 checkpoint, redone), the wall-time ratios, and whether the recovered run's weights equal the
-uninterrupted one's.
+uninterrupted one's. ``--transport p2p`` (the CPU default) recreates every stage actor after a stage
+dies, as its gloo group cannot be rebuilt around a new member; ``object_store`` replaces only the dead one.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from rayspec.config import from_mapping
 from rayspec.trainer import train
 
 
-def settings(steps: int, every: int, size: str, restarts: int = 0) -> dict:
+def settings(steps: int, every: int, size: str, restarts: int = 0, transport: str = "auto") -> dict:
     return {
         "model": {"name": "mlp", "size": size},
         "data": {"name": "synthetic_image", "train_size": 4096, "val_size": 256},
-        "pipeline": {"method": "spectrain", "stages": 4, "executor": "ray", "cpus_per_stage": 0.5},
+        "pipeline": {"method": "spectrain", "stages": 4, "executor": "ray", "cpus_per_stage": 0.5,
+                     "transport": transport},
         "train": {"max_steps": steps, "batch_size": 64, "log_every": 1},
         "optim": {"lr": 0.05},
         "checkpoint": {"every": every},
@@ -46,6 +48,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-at", type=int, default=25)
+    ap.add_argument("--transport", default="auto", help="pipeline.transport of every run")
+    ap.add_argument("--out", default="recovery", help="result name: benchmarks/results/OUT.json")
     args = ap.parse_args()
     steps, size = (30, "tiny") if args.quick else (args.steps, "small")
     kill_at = min(args.kill_at, steps - 2)
@@ -53,16 +57,16 @@ def main() -> None:
     quiet = {"echo": lambda _: None}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        plain = train(from_mapping(settings(steps, 0, size)), root / "plain", **quiet)
-        ckpt = train(from_mapping(settings(steps, args.every, size)), root / "ckpt", **quiet)
+        plain = train(from_mapping(settings(steps, 0, size, transport=args.transport)), root / "plain", **quiet)
+        ckpt = train(from_mapping(settings(steps, args.every, size, transport=args.transport)), root / "ckpt", **quiet)
         a = torch.load(root / "ckpt" / "model.pt", weights_only=True)
-        result: dict = {"model": f"mlp/{size}", "stages": 4, "updates": steps, "checkpoint_every": args.every,
+        result: dict = {"model": f"mlp/{size}", "stages": 4, "transport": args.transport, "updates": steps, "checkpoint_every": args.every,
                         "kill_at": kill_at, "wall_s": {"plain": plain["wall_s"], "checkpoints": ckpt["wall_s"]},
                         "checkpoint_cost": ckpt["wall_s"] / plain["wall_s"]}
         for victim, title in (("stage", "StageActor"), ("driver", "DriverActor")):
             killer = KillActor(kill_at, title)
             t0 = time.perf_counter()
-            killed = train(from_mapping(settings(steps, args.every, size, restarts=1)), root / f"killed-{victim}",
+            killed = train(from_mapping(settings(steps, args.every, size, restarts=1, transport=args.transport)), root / f"killed-{victim}",
                            callbacks=[killer], **quiet)
             wall = time.perf_counter() - t0
             b = torch.load(root / f"killed-{victim}" / "model.pt", weights_only=True)
@@ -87,7 +91,7 @@ def main() -> None:
         ]
     print(table([{"figure": f, "value": v} for f, v in rows], ["figure", "value"]))
     if not args.quick:
-        print(f"wrote {write('recovery', result)}")
+        print(f"wrote {write(args.out, result)}")
 
 
 if __name__ == "__main__":

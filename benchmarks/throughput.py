@@ -1,6 +1,7 @@
 """Training throughput (samples/s) of every method, data parallelism included, through ``rayspec.trainer.train``.
 
     python -m benchmarks.throughput [--quick] [--models mlp,vgg16] [--stages 2,4] [--methods ...] [--steps 40]
+                                    [--transports auto,p2p] [--out throughput]
 
 Every trial is a real run on Ray, the same as ``python -m rayspec.train``: ``pipeline.method=M`` with
 ``pipeline.stages=N`` stage actors (``dataparallel``: N Ray Train workers), the config composed from
@@ -16,8 +17,8 @@ window too. Ray starts once for all trials, which run one at a time.
 
 Defaults for a 2-core CPU machine: ``--quick`` = mlp tiny on 2 stages, 20 updates; otherwise mlp small,
 vgg16 tiny and resnet50 tiny on 2 and 4 stages, 40 updates. Short runs on a shared small machine are
-noisy: compare the methods' ratios to ``dataparallel`` within one run. Results:
-``benchmarks/results/throughput.json``.
+noisy: compare the methods' ratios to ``dataparallel`` within one run. ``--transports`` gives one row per
+``pipeline.transport`` (``dataparallel`` runs once per row group). Results: ``benchmarks/results/OUT.json``.
 """
 
 from __future__ import annotations
@@ -54,14 +55,15 @@ def compose_config(overrides: Sequence[str]) -> dict[str, Any]:
 
 
 def trial_overrides(model: str, size: str, method: str, stages: int, *, steps: int, batch: int, cpus: float,
-                    gpus: float, image_size: int) -> list[str]:
+                    gpus: float, image_size: int, transport: str = "auto") -> list[str]:
     """The training overrides of one trial (what ``python -m rayspec.train`` would take)."""
     data = ["data=synthetic_text"] if model in TEXT_MODELS else ["data=synthetic_image", f"data.image_size={image_size}"]
     samples = max(batch * steps, 2 * batch)
     return [
         f"model={model}", f"model.size={size}", *data, f"data.train_size={samples}", "data.val_size=64",
         f"pipeline.method={method}", f"pipeline.stages={stages}", f"pipeline.cpus_per_stage={cpus:g}",
-        f"pipeline.gpus_per_stage={gpus:g}", "pipeline.executor=ray", f"train.max_steps={steps}",
+        f"pipeline.gpus_per_stage={gpus:g}", "pipeline.executor=ray", f"pipeline.transport={transport}",
+        f"train.max_steps={steps}",
         f"train.batch_size={batch}", f"train.log_every={max(1, steps // 4)}", "train.eval_every=0",
         "++train.val_samples=64", "ray.log_to_driver=false",
     ]
@@ -113,6 +115,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="updates per trial (default 40; 20 with --quick)")
     ap.add_argument("--batch", type=int, default=64, help="samples per update (train.batch_size)")
     ap.add_argument("--image-size", type=int, default=32, help="data.image_size of the image models")
+    ap.add_argument("--transports", default="auto", help="comma-separated pipeline.transport values, one row each")
+    ap.add_argument("--out", default="throughput", help="result name: benchmarks/results/OUT.json")
     args = ap.parse_args()
     names = [n for n in (args.models or ("mlp" if args.quick else "mlp,vgg16,resnet50")).split(",") if n]
     unknown = [n for n in names if n not in MODELS]
@@ -126,6 +130,7 @@ def main() -> None:
     steps = args.steps or (20 if args.quick else 40)
     if steps < 1 or args.batch < 1:
         ap.error(f"--steps={steps} and --batch={args.batch} must be >= 1")
+    transports = [t for t in args.transports.split(",") if t]
     sizes = {n: args.size or ("tiny" if args.quick else DEFAULT_SIZE.get(n, "tiny")) for n in names}
 
     import ray
@@ -140,22 +145,30 @@ def main() -> None:
             for n in stage_counts:
                 cpus = max(0.01, math.floor(total_cpus / n * 100) / 100)
                 gpus = 0.0 if not total_gpus else (1.0 if total_gpus >= n else total_gpus / n)
-                row: dict[str, Any] = {"model": name, "size": sizes[name], "stages": n, "cpus_per_stage": cpus,
-                                       "gpus_per_stage": gpus, "methods": {}}
-                for method in methods:
-                    if method == "dataparallel" and 0 < total_gpus < n:
-                        row["methods"][method] = {"error": f"skipped: {n} NCCL workers need {n} GPUs, "
-                                                           f"the cluster has {total_gpus}"}
-                        continue
-                    over = trial_overrides(name, sizes[name], method, n, steps=steps, batch=args.batch, cpus=cpus,
-                                           gpus=gpus if method != "dataparallel" else float(bool(gpus)),
-                                           image_size=args.image_size)
-                    res = run_trial(over)
-                    row["methods"][method] = {**res, "overrides": over}
-                    shown = (f"{res['samples_per_s']:.1f} samples/s" if "error" not in res
-                             else f"failed: {res['error'][:300]}")
-                    print(f"{name} ({sizes[name]}) N={n} {method}: {shown} ({res['wall_s']:.0f} s)", flush=True)
-                results.append(row)
+                dataparallel: dict[str, Any] | None = None  # one run per model and N, whatever the transport
+                for transport in transports:
+                    row: dict[str, Any] = {"model": name, "size": sizes[name], "stages": n, "transport": transport,
+                                           "cpus_per_stage": cpus, "gpus_per_stage": gpus, "methods": {}}
+                    for method in methods:
+                        if method == "dataparallel" and dataparallel is not None:
+                            row["methods"][method] = dataparallel
+                            continue
+                        if method == "dataparallel" and 0 < total_gpus < n:
+                            row["methods"][method] = {"error": f"skipped: {n} NCCL workers need {n} GPUs, "
+                                                               f"the cluster has {total_gpus}"}
+                            continue
+                        over = trial_overrides(name, sizes[name], method, n, steps=steps, batch=args.batch, cpus=cpus,
+                                               gpus=gpus if method != "dataparallel" else float(bool(gpus)),
+                                               image_size=args.image_size, transport=transport)
+                        res = run_trial(over)
+                        row["methods"][method] = {**res, "overrides": over}
+                        if method == "dataparallel":
+                            dataparallel = row["methods"][method]
+                        shown = (f"{res['samples_per_s']:.1f} samples/s" if "error" not in res
+                                 else f"failed: {res['error'][:300]}")
+                        print(f"{name} ({sizes[name]}) N={n} {method} ({transport}): {shown} ({res['wall_s']:.0f} s)",
+                              flush=True)
+                    results.append(row)
     finally:
         ray.shutdown()
 
@@ -166,7 +179,8 @@ def main() -> None:
     rows = []
     for row in results:
         base = rate(row, "dataparallel")
-        cells: dict[str, str] = {"model": f"{row['model']} ({row['size']})", "N": str(row["stages"])}
+        cells: dict[str, str] = {"model": f"{row['model']} ({row['size']})", "N": str(row["stages"]),
+                                 "transport": row["transport"]}
         for method in methods:
             r = rate(row, method)
             cells[method] = "-" if r is None else f"{r:.0f}"
@@ -182,7 +196,7 @@ def main() -> None:
           "among the stages; method/dp = that method's samples/s over dataparallel's in the same row):")
     if rows:
         print(table(rows, list(rows[0])))
-    path = write("throughput", {"steps": steps, "batch": args.batch, "image_size": args.image_size,
+    path = write(args.out, {"steps": steps, "batch": args.batch, "image_size": args.image_size,
                                 "cpus": total_cpus, "gpus": total_gpus, "methods": methods, "results": results})
     print(f"\nwrote {path}")
     trials = [res for row in results for res in row["methods"].values()]
