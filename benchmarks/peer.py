@@ -13,7 +13,7 @@ momentum, 1 torch thread per stage process and nothing else of theirs running.
   batch. Both torch schedules are *flushed*: every batch fills and drains the pipeline and
   applies one synchronous update.
 * rayspec: ``RayExecutor`` with 2 stage actors (``cpus_per_stage=1``) after
-  ``ray.init(num_cpus=2)``, ``object_store``, ``gloo`` and ``compiled`` transports, one ``run`` over all timed
+  ``ray.init(num_cpus=2)``, on each of ``--transports`` (``p2p``, ``compiled``, ``object_store``, ``gloo``), one ``run`` over all timed
   batches (as the trainer runs a segment). Runners:
 
   - ``gpipe``: fill-drain, one update per batch: like-for-like with ``ScheduleGPipe``.
@@ -37,64 +37,31 @@ float summation order).
 
 To explain gaps, the benchmark also measures: the compute of each stage alone (F and B of one
 micro-batch at 1 thread; the ideal makespan of each schedule from it), and one hop of the
-activation between two processes: torch ``dist.send``/``recv`` over gloo (ping-pong) and a chain of
-dependent Ray actor calls (object store, zero-copy; and gloo Ray Direct Transport).
+activation between two processes: torch ``dist.send``/``recv`` over gloo (ping-pong), and each
+transport's hop between two Ray actors (``p2p``: rayspec's message over their gloo group; the others:
+a chain of dependent actor calls, or of compiled-graph ops).
 
-With ``compiled`` (a Ray Compiled Graph, ``rayspec.compiled``; ``benchmarks/results/peer_compiled.json``,
-``--transports compiled,object_store``; the pairs of one run spread by up to +-0.15 on this machine) the
-like-for-like ratios are 0.98 (``gpipe``) and 0.88 (``1f1b-flushed``), against 0.66 / 0.58 on the object
-store in the same run; waiting is 52-61 ms per batch (torch: 34-38), the driver's CPU 3-7 ms per batch
-(object store: 55-57), a hop 1.0 ms (object store 3.0, torch gloo 0.33). ``spectrain-grouped`` (one
-update per batch, as torch, no flush) gave 1.12, 0.98 and 0.96 in three runs (``peer_compiled.json``,
-``peer_grouped_{1,2}.json``; ``1f1b-flushed`` 0.88, 0.86 and 1.00 in the same runs), with per-batch
-losses within 2.4e-7 of torch's 1F1B: 35 ms of waiting per batch, and the busiest stage 138 ms inside
-its F and B against the flushed runner's 146. ``spectrain`` (an update and predictions on every
-micro-batch) reaches 0.74: stage 1's backward takes 18.0 ms against 11.3 grouped. The previous
-machine gave 0.95 / 0.99 / 0.92 for ``gpipe`` / ``1f1b-flushed`` / ``spectrain``; before ``Stage``
-swapped predicted weights in by pointer and checked gradients with a summing pass instead of an
-infinity norm (``benchmarks.stage_cost``), 0.90 / 0.85 / 0.57.
+Findings on the 2-core CPU box (x86_64, no GPU, torch 2.14.1, ray 2.60), full MLP split [3, 6],
+batch 256, M = 8, 20 steps x 3 pairs, two full runs (``benchmarks/results/peer.json`` holds the
+second), ratios ``p2p`` / ``compiled`` / ``object_store``:
 
-Findings before ``compiled`` existed, on the 2-core CPU box (x86_64, no GPU, torch 2.14.1, ray 2.60, loaded by other jobs:
-load average 3-6), full MLP split [3, 6], batch 256, M = 8, 20 steps x 3 pairs, two full runs
-(``benchmarks/results/peer.json`` holds the second):
-
-* Like-for-like, rayspec reaches 0.69-0.77 of torch's throughput on the object store
-  (``gpipe`` 0.77 / 0.69 against ``ScheduleGPipe``, ``1f1b-flushed`` 0.73 / 0.74 against
-  ``Schedule1F1B``) and 0.62-0.74 on gloo RDT, and trains to the same per-batch losses
-  (max difference 3.6e-7). ``spectrain`` (not like-for-like) is at 0.53-0.76 of torch's 1F1B.
-* The gap is Ray's cost per action, about 2-4 ms on the object store (4-6 ms on gloo), in two
-  parts, split by timing the inside of each stage's F and B on both sides
-  (``gpipe``, object store, ms per batch: 325 / 410 for rayspec against 260 / 281 for torch):
-
-  - Waiting (batch minus the slower stage's busy time): 78 / 113 against 56 / 49. One hop of the
-    128 KiB activation costs 3.4-5.9 ms from actor to actor through the object store (7.6-8.0 ms
-    with gloo RDT) against 0.2-0.7 ms for a gloo ``send``/``recv`` between the torch ranks: Ray
-    resolves an actor call's arguments at the caller (``LocalDependencyResolver`` in the core
-    worker waits for the object in the caller's memory store before it pushes the task), so
-    every stage-to-stage hop goes producer -> driver -> consumer, and each call then pays
-    the actor's task receipt, argument fetch and result store outside the stage's code. A
-    flushed batch exposes this on its fill, turn and drain; the rest overlaps with compute.
-  - Slower compute: the slower stage spends 246 / 297 ms per batch inside its F and B against
-    torch's 204 / 231 for the same kernels at 1 thread. Ray burns CPU beside the stages: per
-    batch 454+59+56 / 529+74+79 CPU ms (stage actors + driver + raylet, GCS and the other Ray
-    processes) against 400 / 430 for the two torch ranks, i.e. 170-250 CPU ms more, about
-    2 ms of driver CPU per actor call (submission, serialising the micro-batch into the object
-    store) plus about as much in the other Ray processes. On 2 cores already running two
-    compute-bound stages, that CPU comes out of the stages' compute.
-* gloo RDT is slower than the object store here: a hop adds a send and a receive task that the
-  driver coordinates (driver CPU 86-124 against 55-74 ms per batch).
-* ``spectrain`` does more work per batch than any flushed schedule, independent of Ray: one
-  optimizer step per micro-batch (a pass over the stage's weights on every backward, not
-  once per batch) and, for each predicted action (stage 0's forwards for N = 2), a swap through
-  the scratch copy (copy out, ``W - s lr v``, copy back: 3 passes over the 5.2 M parameters):
-  stage 0's forward takes 17-22 ms inside the stage against 9-10 for ``1f1b-flushed`` (object
-  store runs). On this
-  model a 32-sample micro-batch's compute is comparable to a pass over the weights.
-* Ray starts its workers at ``nice 15``. That is not the gap: with ``--worker-niceness 0`` (workers at
-  nice 0, as the driver and Ray's own processes) two runs gave ``gpipe`` 0.76 / 0.67 and
-  ``1f1b-flushed`` 0.66 / 0.61, against 0.68 / 0.70 and 0.71 / 0.73 at Ray's default
-  (``benchmarks/results/peer_nice{15,0}[_b].json``). ``benchmarks.hops`` shows where it does matter: a
-  hop next to two nice-0 processes that keep both cores busy.
+* Like-for-like, ``gpipe`` 1.05-1.06 / 0.96-1.04 / 0.73 and ``1f1b-flushed`` 1.01-1.14 / 0.89-1.01 /
+  0.73-0.76, with the same per-batch losses (max difference 3.3e-7). ``spectrain-grouped`` (one
+  update per batch, no flush) 1.06-1.13 / 1.00-1.07 / 0.75-0.76; ``spectrain`` (an update and
+  predictions per micro-batch) 0.71-0.82 / 0.85-0.86 / 0.63-0.66.
+* CPU per batch (stage actors + driver + the rest of Ray against torch's two ranks), ``gpipe``: ``p2p``
+  360 + 4 + 8 ms against 385; the object store 437 + 42 + 56 against 375. ``p2p`` and torch pay the
+  same on the data path; the object store pays Ray's task per action (submission, object-store
+  round, result store) on every hop, about 3.3 ms a hop here against 0.55 for ``p2p`` and 0.17 for a
+  torch gloo ``send``/``recv`` in the same run.
+* Torch reaches only 0.64-0.86 of the ideal makespan computed from each stage's compute alone: two
+  compute-bound processes on 2 cores slow each other's kernels down (the ms inside each F and B
+  table), so beating a flushed torch schedule by much on the same kernels is not on offer here;
+  not flushing (``spectrain-grouped``) removes the bubble instead.
+* Ray starts its workers at ``nice 15``. That is not the gap: with ``--worker-niceness 0`` two runs on
+  the object store gave ``gpipe`` 0.76 / 0.67 and ``1f1b-flushed`` 0.66 / 0.61, against 0.68 / 0.70 and
+  0.71 / 0.73 at Ray's default (``benchmarks/results/peer_nice{15,0}[_b].json``). ``benchmarks.hops``
+  shows where it does matter: a hop next to two nice-0 processes that keep both cores busy.
 """
 
 from __future__ import annotations
