@@ -28,13 +28,19 @@ class PlannedAction:
     fused: bool = False  # last stage: this F is immediately followed by its own B
 
 
-def plan(schedule: Schedule, method: str, variant: str) -> list[PlannedAction]:
+def plan(schedule: Schedule, method: str, variant: str, s: dict | None = None) -> list[PlannedAction]:
     """The schedule's actions in a valid global order, each with SpecTrain's ``s`` (0 unless ``spectrain``).
 
     On the last stage an ``F(m)`` directly followed by ``B(m)`` in its list is marked ``fused``;
     its ``B`` is then left out (executors that can run both in one call do so).
+
+    Args:
+        s: ``schedule.version_differences(variant)`` when the caller has it already (``spectrain`` only).
     """
-    s = schedule.version_differences(variant) if method == "spectrain" else None
+    if method == "spectrain" and s is None:
+        s = schedule.version_differences(variant)
+    elif method != "spectrain":
+        s = None
     last = schedule.stages - 1
     fusable = set()
     acts = schedule.actions[last]
@@ -165,7 +171,7 @@ class LocalExecutor(Executor):
         acts: dict[tuple[int, int], Activation] = {}
         grads: dict[tuple[int, int], Activation] = {}
         losses: dict[int, float] = {}
-        for p in plan(schedule, self.method, self.variant):
+        for p in plan(schedule, self.method, self.variant, s):
             a, k, m = p.action, p.action.stage, p.action.microbatch
             stage = self.stages[k]
             if a.kind == "F":

@@ -82,7 +82,7 @@ def plan_p2p(schedule: Schedule, method: str, variant: str, width: int) -> list[
     s = schedule.version_differences(variant) if method == "spectrain" else None
     last_b = {a.microbatch: a for a in schedule.actions[last] if a.kind == "B"}
     ops: list[list[P2POp]] = [[] for _ in range(n)]
-    for p in plan(schedule, method, variant):
+    for p in plan(schedule, method, variant, s):
         a = p.action
         if p.fused:
             b = last_b[a.microbatch]
@@ -242,29 +242,27 @@ class P2PRunner:
             The losses the last stage computed in this chunk (empty elsewhere).
         """
         k, n = self.stage.index, self.stage.num_stages  # type: ignore[attr-defined]
-        inputs = [src for src in (_source(op, k, n) for op in ops) if src is not None]
-        taken = 0
-        for op in ops:
-            if _source(op, k, n) is not None:  # receive the input after this one ahead, while this op runs
-                taken += 1
-                if taken < len(inputs):
-                    self._p2p_post(*inputs[taken])
+        sources = [_source(op, k, n) for op in ops]
+        ahead = iter([src for src in sources if src is not None][1:])
+        for op, src in zip(ops, sources):
+            received = None
+            if src is not None:
+                following = next(ahead, None)
+                if following is not None:  # receive the next input ahead, while this op runs
+                    self._p2p_post(*following)
+                received = self._p2p_recv(*src)
             if op.kind == "B":
-                grad = self._p2p_recv(k + 1, 2 * op.m + _BACKWARD) if k < n - 1 else None
-                out = self.backward(op.m, grad, op.s, op.update)  # type: ignore[attr-defined]
-                if k > 0:
-                    self._p2p_send(out, k - 1, 2 * op.m + _BACKWARD)
-                continue
-            x = data.pop(op.m) if k == 0 else self._p2p_recv(k - 1, 2 * op.m + _FORWARD)
-            labels = data.pop(("y", op.m), None)  # numpy from the driver: forward() makes them tensors
-            if op.kind == "FB":
-                out = self.forward_backward(op.m, x, labels, op.s, op.s_b, op.update)  # type: ignore[attr-defined]
-                if k > 0:
-                    self._p2p_send(out, k - 1, 2 * op.m + _BACKWARD)
+                out = self.backward(op.m, received, op.s, op.update)  # type: ignore[attr-defined]
             else:
-                out = self.forward(op.m, x, labels, op.s)  # type: ignore[attr-defined]
-                if k < n - 1:
-                    self._p2p_send(out, k + 1, 2 * op.m + _FORWARD)
+                x = data.pop(op.m) if k == 0 else received
+                labels = data.pop(("y", op.m), None)  # numpy from the driver: forward() makes them tensors
+                if op.kind == "FB":
+                    out = self.forward_backward(op.m, x, labels, op.s, op.s_b, op.update)  # type: ignore[attr-defined]
+                else:
+                    out = self.forward(op.m, x, labels, op.s)  # type: ignore[attr-defined]
+            to = k + 1 if op.kind == "F" else k - 1
+            if 0 <= to < n:
+                self._p2p_send(out, to, 2 * op.m + (_FORWARD if op.kind == "F" else _BACKWARD))
         if last:
             while self._p2p_sends:
                 self._p2p_sends.popleft()[0].wait()

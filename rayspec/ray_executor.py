@@ -346,7 +346,6 @@ class RayExecutor(Executor):
         check_stages(schedule, n)
         feed = MicrobatchFeed(microbatches, schedule.microbatches)
         losses: dict[int, float] = {}
-        s = schedule.version_differences(self.variant) if self.method == "spectrain" else None
         if self._compiled is not None or self._p2p is not None:
 
             def chunk_done(part: dict[int, float]) -> None:
@@ -358,8 +357,9 @@ class RayExecutor(Executor):
             if self._p2p is not None:
                 self._p2p.run(schedule, self.method, self.variant, feed, chunk_done)
             elif self._compiled is not None:
-                self._compiled.run(schedule, s, feed, chunk_done)
+                self._compiled.run(schedule, self._differences(schedule), feed, chunk_done)
             return [losses[m] for m in range(schedule.microbatches)]
+        s = self._differences(schedule)
         reports: deque = deque()  # pop_losses refs, oldest first
         last_forwards = 0
         # The bound is for memory; it must never stall the pipeline: the driver submits in one
@@ -372,7 +372,7 @@ class RayExecutor(Executor):
         done0: deque = deque()  # stage-0 backward refs not yet waited on, oldest first
         started0 = finished0 = 0  # stage-0 forwards submitted, stage-0 backwards known done
         last = n - 1
-        for p in plan(schedule, self.method, self.variant):
+        for p in plan(schedule, self.method, self.variant, s):
             a, k, m = p.action, p.action.stage, p.action.microbatch
             actor = self.actors[k]
             if a.kind == "F":
@@ -404,6 +404,10 @@ class RayExecutor(Executor):
         reports.append(self.actors[last].pop_losses.remote())
         self._collect(reports, losses, on_loss, block=True)
         return [losses[m] for m in range(schedule.microbatches)]
+
+    def _differences(self, schedule: Schedule) -> dict | None:
+        """SpecTrain's version differences of ``schedule`` (``None`` for the other methods)."""
+        return schedule.version_differences(self.variant) if self.method == "spectrain" else None
 
     @staticmethod
     def _collect(reports: deque, losses: dict, on_loss: Callable | None, block: bool) -> None:
