@@ -229,7 +229,7 @@ class Config:
             if not torch.cuda.is_available():
                 raise ConfigError(
                     "pipeline.transport=nccl needs GPUs but CUDA is not available; "
-                    "use pipeline.transport=auto (object store on CPU) or gloo"
+                    "use pipeline.transport=auto (p2p on CPU) or gloo"
                 )
         for key in ("name",):
             if not isinstance(self.model.get(key), str):
