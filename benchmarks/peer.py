@@ -555,11 +555,13 @@ def p2p_hop_s(shape: tuple[int, ...], count: int = 50) -> float:
                 if rank == 0:
                     self._p2p_send(x, 1, 2 * i)
                     x = self._p2p_recv(1, 2 * i + 1)
+                    self.p2p_wait_sends([(1, 2 * i)])  # its reply proves it through, as in a pipeline
                 else:
                     x = self._p2p_recv(0, 2 * i)
+                    if i:
+                        self.p2p_wait_sends([(0, 2 * i - 1)])
                     self._p2p_send(x + 0.0, 0, 2 * i + 1)  # a fresh tensor, as a stage sends
-            while self._p2p_sends:
-                self._p2p_sends.popleft()[0].wait()
+            self.p2p_wait_sends()
             return time.perf_counter() - t0
 
     actors = [P2PHop.remote() for _ in range(2)]  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks.peer import flushed_1f1b
-from rayspec.p2p import _DTYPES, _HEADER_BYTES, _decode, _encode, _header, plan_p2p
+from rayspec.p2p import _DTYPES, _HEADER_BYTES, _Buffers, _decode, _encode, _header, _join, plan_p2p
 from rayspec.schedule import Action, Schedule, ScheduleError, build_schedule
 
 CASES = [("1f1b", n, m, g) for n in (1, 2, 3, 4, 6) for m, g in ((1, 1), (5, 1), (23, 1), (24, 4))] + [
@@ -24,10 +24,16 @@ def replay(chunks, n):
     return out
 
 
-def runs_without_deadlock(chunks, n) -> bool:
+def simulate(chunks, n) -> int | None:
     """Stage actors that take one chunk call at a time, block on each receive (matched by sender, direction and
-    micro-batch), never on a send; the driver submits chunk c+2 only after chunk c ended on every stage."""
+    micro-batch), never on a send; the driver submits chunk c+2 only after chunk c ended on every stage.
+
+    Every wait on a send (``retire``) must find it received already. Returns the most sends one stage held
+    unwaited at once, or ``None`` on a deadlock.
+    """
     sent = set()  # (src, dst, micro-batch) sent and not yet received
+    held = [set() for _ in range(n)]  # per stage: (dst, micro-batch) sent and not waited on
+    peak = 0
     submitted = min(2, len(chunks))
     at = [[0, 0] for _ in range(n)]  # per stage: chunk, op index
     while True:
@@ -43,19 +49,32 @@ def runs_without_deadlock(chunks, n) -> bool:
                     if (src, k, op.m) not in sent:
                         continue
                     sent.remove((src, k, op.m))
+                    for tag in op.retire:
+                        assert (src, tag // 2) in held[k] and (k, src, tag // 2) not in sent, (k, op, tag)
+                        held[k].remove((src, tag // 2))
+                else:
+                    assert not op.retire
                 dst = k + 1 if op.kind == "F" else k - 1
                 if 0 <= dst < n:
                     sent.add((k, dst, op.m))
+                    held[k].add((dst, op.m))
+                    peak = max(peak, len(held[k]))
                 at[k][1] += 1
             else:
                 at[k] = [c + 1, 0]
+                if c == len(chunks) - 1:
+                    held[k].clear()  # the segment's last chunk waits on every send
             moved = True
         while submitted < len(chunks) and all(at[k][0] > submitted - 2 for k in range(n)):
             submitted += 1
         if all(at[k][0] == len(chunks) for k in range(n)):
-            return not sent
+            return peak if not sent else None
         if not moved:
-            return False
+            return None
+
+
+def runs_without_deadlock(chunks, n) -> bool:
+    return simulate(chunks, n) is not None
 
 
 @pytest.mark.parametrize("name,n,m,group", CASES)
@@ -65,7 +84,11 @@ def test_chunks_replay_the_schedule_and_never_deadlock(name, n, m, group, width,
     schedule = build_schedule(name, n, m, group=group)
     chunks = plan_p2p(schedule, method, "paper", width)
     assert replay(chunks, n) == [[(a.kind, a.microbatch, a.update) for a in acts] for acts in schedule.actions]
-    assert runs_without_deadlock(chunks, n)
+    peak = simulate(chunks, n)
+    assert peak is not None
+    # sends are waited on as soon as they are known received: a stage holds at most one batch's (GPipe), the
+    # micro-batches in flight (1F1B) or one (vanilla), never the whole segment's (2·m per stage)
+    assert peak <= {"gpipe": group, "1f1b": n, "vanilla": 1}[name], peak
     s = schedule.version_differences("paper")
     for per_stage in chunks:  # s travels with each op: F its own, B and the fused FB's backward the backward's
         for k, ops in enumerate(per_stage):
@@ -131,6 +154,23 @@ def test_messages_round_trip_whole_and_in_two_parts(value):
     got = _decode(padded)
     for t in got if isinstance(got, tuple) else (got,):  # views into the message, no copy
         assert t is None or t.numel() == 0 or t.untyped_storage().data_ptr() == padded.data_ptr()
+
+
+def test_a_buffer_is_reused_only_when_nothing_refers_to_it():
+    pool = _Buffers(4096)
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    a = pool.take()
+    first = ptr(a)
+    assert ptr(pool.take()) != first  # `a` is held: another buffer
+    x = _decode(_join(*_header(torch.randn(4, 8)), a)).requires_grad_()
+    loss = (x * x).sum()  # autograd saves `x`, a view into the first buffer
+    del a
+    assert ptr(pool.take()) == ptr(pool.buffers[1])  # the second is free again; the first is still saved
+    assert ptr(pool.take()) == ptr(pool.buffers[1])
+    loss.backward()
+    del x, loss
+    assert {ptr(pool.take()) for _ in range(3)} <= {first, ptr(pool.buffers[1])}
+    assert len(pool.buffers) == 2
 
 
 def test_a_message_with_an_unsupported_tensor_is_a_clear_error():
