@@ -26,7 +26,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
 # Every benchmark at full size (tens of minutes on 2 cores); each writes benchmarks/results/NAME.json.
-BENCHMARKS := overhead stage_cost efficiency partition communication memory throughput peer hops recovery driver probe plots
+BENCHMARKS := overhead stage_cost efficiency partition communication memory p2p_memory throughput peer hops recovery driver probe plots
 bench: $(STAMP)
 	for b in $(BENCHMARKS); do $(PY) -m benchmarks.$$b || exit 1; done
 
