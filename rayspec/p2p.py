@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -449,13 +450,16 @@ class P2PPipeline:
             try:
                 ray.get(ready[0])
             except Exception as err:
-                # A dead stage makes its neighbours' receives fail too: report the death if there is one.
-                others, _ = ray.wait(waiting, num_returns=len(waiting), timeout=2.0)
-                for ref in others:
-                    try:
-                        ray.get(ref)
-                    except Exception as other:
-                        if actor_died(other) and not actor_died(err):
-                            err = other
+                # A dead stage makes its neighbours' receives fail too: report the death if there is one,
+                # looking for up to 2 s (the live stages may stay blocked in a receive).
+                deadline = time.monotonic() + 2.0
+                while waiting and not actor_died(err) and (left := deadline - time.monotonic()) > 0:
+                    ready, waiting = ray.wait(waiting, num_returns=1, timeout=left)
+                    for ref in ready:
+                        try:
+                            ray.get(ref)
+                        except Exception as other:
+                            if actor_died(other):
+                                err = other
                 raise err from None
         return ray.get(refs[-1])
