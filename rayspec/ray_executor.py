@@ -10,6 +10,7 @@ bound the micro-batches in flight.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import warnings
@@ -195,6 +196,13 @@ def _contiguous(x: Activation) -> Activation:
     return x if x is None else x.contiguous()
 
 
+@functools.cache  # once per process and setting, however many executors a study or benchmark creates
+def _warn_compiled_shares_cores(cpus_per_stage: float) -> None:
+    log.warning("pipeline.transport=compiled with %.2g CPUs per stage: a compiled graph's stage spins a core while "
+                "it waits, so stages that share cores slow each other down; give each stage a core "
+                "(pipeline.cpus_per_stage=1) or use pipeline.transport=p2p", cpus_per_stage)
+
+
 class RayExecutor(Executor):
     """Runs each stage in its own Ray actor.
 
@@ -259,10 +267,7 @@ class RayExecutor(Executor):
         if self.transport == "compiled":
             self._compiled = CompiledPipeline(self.actors, chunk, nccl=gpus_per_stage >= 1)
             if gpus_per_stage == 0 and cpus_per_stage < 1:
-                log.warning("pipeline.transport=compiled with %.2g CPUs per stage: a compiled graph's stage spins a "
-                            "core while it waits, so stages that share cores slow each other down; give each stage "
-                            "a core (pipeline.cpus_per_stage=1) or use pipeline.transport=p2p",
-                            cpus_per_stage)
+                _warn_compiled_shares_cores(cpus_per_stage)
 
     def _spawn(self, k: int, stage: Stage) -> Any:
         """A stage actor for stage ``k`` in its bundle."""
