@@ -19,13 +19,13 @@ across chunks; a send may be received in the next chunk. Two stages, 1F1B, ``W =
 
 [Note: messages] A message is a fixed-size header (tuple or not, each tensor's dtype and shape,
 ``None`` for an input without a gradient, the payload's size) followed by the tensors' bytes,
-in one buffer, sent with ``isend`` (see [Note: finished sends]). The receiver does not know the size in advance: it receives into a
-buffer of ``_CAPACITY`` bytes (gloo accepts a shorter message; pages it does not write are
-never touched) and hands out views into it, no copy. Send and receive buffers come from a pool
-(``_Buffers``) and are reused once no tensor refers to them. A larger message travels as its header
-and then each tensor's bytes, received straight into the tensors. Header and payload apart
-cost a 128 KiB hop 0.59 ms here, one message 0.43 ms. The tag names the micro-batch and the
-direction, so a stage may receive in another order than its neighbour sent.
+in one buffer, sent with ``isend`` (see [Note: finished sends]). The receiver does not know the
+size in advance: it receives into a buffer of ``_CAPACITY`` bytes (gloo accepts a shorter
+message) and hands out views into it, no copy. Send and receive buffers come from a pool
+(``_Buffers``) and are reused once no tensor refers to them. A larger message travels as its
+header and then each tensor's bytes, received straight into the tensors. Header and payload
+apart cost a 128 KiB hop 0.59 ms here, one message 0.43 ms. The tag names the micro-batch and
+the direction, so a stage may receive in another order than its neighbour sent.
 
 [Note: finished sends] Gloo reports a send finished only once it is waited on, and a wait
 blocks until the receiver has posted its receive, which may be chunks later: waiting right
@@ -248,6 +248,10 @@ def _source(op: P2POp, k: int, n: int) -> tuple[int, int] | None:
     return (k - 1, 2 * op.m + _FORWARD) if k > 0 else None
 
 
+# references to a storage; private in torch: without it every message gets a new buffer
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
 class _Buffers:
     """Byte buffers of one size, each reused once nothing refers to it any more.
 
@@ -263,14 +267,13 @@ class _Buffers:
         self._next = 0
 
     def take(self) -> torch.Tensor:
-        count = getattr(torch._C, "_storage_Use_Count", None)
-        if count is None:  # private in torch: without it, a new buffer every time
+        if _USE_COUNT is None:
             return torch.empty(self.nbytes, dtype=torch.uint8)
         for i in range(len(self.buffers)):
             j = (self._next + i) % len(self.buffers)
             buffer = self.buffers[j]
             # the pool's tensor and the probe's storage object: nothing else refers to this buffer
-            if count(buffer.untyped_storage()._cdata) == 2:
+            if _USE_COUNT(buffer.untyped_storage()._cdata) == 2:
                 self._next = j + 1
                 return buffer[:]
         self.buffers.append(torch.empty(self.nbytes, dtype=torch.uint8))

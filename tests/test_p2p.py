@@ -173,6 +173,14 @@ def test_a_buffer_is_reused_only_when_nothing_refers_to_it():
     assert len(pool.buffers) == 2
 
 
+def test_without_torchs_use_count_every_message_gets_a_new_buffer(monkeypatch):
+    monkeypatch.setattr("rayspec.p2p._USE_COUNT", None)
+    pool = _Buffers(64)
+    a, b = pool.take(), pool.take()
+    assert a.numel() == b.numel() == 64 and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert pool.buffers == []
+
+
 def test_a_message_with_an_unsupported_tensor_is_a_clear_error():
     assert torch.complex64 not in _DTYPES
     with pytest.raises(TypeError, match="pipeline.transport=p2p sends CPU tensors"):
