@@ -28,19 +28,15 @@ class PlannedAction:
     fused: bool = False  # last stage: this F is immediately followed by its own B
 
 
-def plan(schedule: Schedule, method: str, variant: str, s: dict | None = None) -> list[PlannedAction]:
-    """The schedule's actions in a valid global order, each with SpecTrain's ``s`` (0 unless ``spectrain``).
+def plan(schedule: Schedule, s: dict | None) -> list[PlannedAction]:
+    """The schedule's actions in a valid global order, each with SpecTrain's ``s`` (0 where ``s`` is ``None``).
 
     On the last stage an ``F(m)`` directly followed by ``B(m)`` in its list is marked ``fused``;
     its ``B`` is then left out (executors that can run both in one call do so).
 
     Args:
-        s: ``schedule.version_differences(variant)`` when the caller has it already (``spectrain`` only).
+        s: ``schedule.differences(method, variant)``.
     """
-    if method == "spectrain" and s is None:
-        s = schedule.version_differences(variant)
-    elif method != "spectrain":
-        s = None
     last = schedule.stages - 1
     fusable = set()
     acts = schedule.actions[last]
@@ -166,12 +162,12 @@ class LocalExecutor(Executor):
     ) -> list[float]:
         n = len(self.stages)
         check_stages(schedule, n)
-        s = schedule.version_differences(self.variant) if self.method == "spectrain" else None
+        s = schedule.differences(self.method, self.variant)
         feed = MicrobatchFeed(microbatches, schedule.microbatches)
         acts: dict[tuple[int, int], Activation] = {}
         grads: dict[tuple[int, int], Activation] = {}
         losses: dict[int, float] = {}
-        for p in plan(schedule, self.method, self.variant, s):
+        for p in plan(schedule, s):
             a, k, m = p.action, p.action.stage, p.action.microbatch
             stage = self.stages[k]
             if a.kind == "F":

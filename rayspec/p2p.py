@@ -118,10 +118,10 @@ def plan_p2p(schedule: Schedule, method: str, variant: str, width: int) -> list[
         ScheduleError: if some stage would wait on a neighbour's later chunk (see [Note: chunk cuts]).
     """
     n, count, last = schedule.stages, schedule.microbatches, schedule.stages - 1
-    s = schedule.version_differences(variant) if method == "spectrain" else None
+    s = schedule.differences(method, variant)
     last_b = {a.microbatch: a for a in schedule.actions[last] if a.kind == "B"}
     ops: list[list[P2POp]] = [[] for _ in range(n)]
-    for p in plan(schedule, method, variant, s):
+    for p in plan(schedule, s):
         a = p.action
         if p.fused:
             b = last_b[a.microbatch]
@@ -212,6 +212,11 @@ def _decode(message: torch.Tensor) -> Any:
     """The value of a message from ``_encode`` (``message`` may run on past its end): views into ``message``,
     no copy (each tensor starts at a multiple of ``_ALIGN``)."""
     is_tuple, specs, _ = _decode_header(message)
+    return _views(message, is_tuple, specs)
+
+
+def _views(message: torch.Tensor, is_tuple: bool, specs: list[tuple[torch.dtype, tuple[int, ...]] | None]) -> Any:
+    """The tensors that ``message``'s decoded header (``_decode_header``) describes, as views into it."""
     out: list[torch.Tensor | None] = []
     start = _HEADER_BYTES
     for spec in specs:
@@ -380,7 +385,7 @@ class P2PRunner:
         work.wait()
         is_tuple, specs, size = _decode_header(message)
         if _HEADER_BYTES + size <= self._p2p_capacity:
-            return _decode(message)
+            return _views(message, is_tuple, specs)
         out: list[torch.Tensor | None] = []
         for spec in specs:
             t = None if spec is None else torch.empty(spec[1], dtype=spec[0])

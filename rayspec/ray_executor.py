@@ -362,9 +362,9 @@ class RayExecutor(Executor):
             if self._p2p is not None:
                 self._p2p.run(schedule, self.method, self.variant, feed, chunk_done)
             elif self._compiled is not None:
-                self._compiled.run(schedule, self._differences(schedule), feed, chunk_done)
+                self._compiled.run(schedule, schedule.differences(self.method, self.variant), feed, chunk_done)
             return [losses[m] for m in range(schedule.microbatches)]
-        s = self._differences(schedule)
+        s = schedule.differences(self.method, self.variant)
         reports: deque = deque()  # pop_losses refs, oldest first
         last_forwards = 0
         # The bound is for memory; it must never stall the pipeline: the driver submits in one
@@ -377,7 +377,7 @@ class RayExecutor(Executor):
         done0: deque = deque()  # stage-0 backward refs not yet waited on, oldest first
         started0 = finished0 = 0  # stage-0 forwards submitted, stage-0 backwards known done
         last = n - 1
-        for p in plan(schedule, self.method, self.variant, s):
+        for p in plan(schedule, s):
             a, k, m = p.action, p.action.stage, p.action.microbatch
             actor = self.actors[k]
             if a.kind == "F":
@@ -409,10 +409,6 @@ class RayExecutor(Executor):
         reports.append(self.actors[last].pop_losses.remote())
         self._collect(reports, losses, on_loss, block=True)
         return [losses[m] for m in range(schedule.microbatches)]
-
-    def _differences(self, schedule: Schedule) -> dict | None:
-        """SpecTrain's version differences of ``schedule`` (``None`` for the other methods)."""
-        return schedule.version_differences(self.variant) if self.method == "spectrain" else None
 
     @staticmethod
     def _collect(reports: deque, losses: dict, on_loss: Callable | None, block: bool) -> None:

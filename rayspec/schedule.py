@@ -194,6 +194,10 @@ class Schedule:
         v = self.versions()
         return all(v[(k, "F", m)] == v[(k, "B", m)] for k in range(self.stages) for m in range(self.microbatches))
 
+    def differences(self, method: str, variant: str) -> dict[tuple[int, str, int], int] | None:
+        """``version_differences(variant)`` for ``spectrain``; ``None`` for every other method (no prediction)."""
+        return self.version_differences(variant) if method == "spectrain" else None
+
     def version_differences(self, variant: str) -> dict[tuple[int, str, int], int]:
         """SpecTrain's ``s`` for every action: how many versions ahead its weights are predicted.
 
@@ -341,7 +345,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     if args.json:
         print(json.dumps(describe(schedule, args.method, args.variant)))
         return
-    s = schedule.version_differences(args.variant) if args.method == "spectrain" else None
+    s = schedule.differences(args.method, args.variant)
     print(schedule.grid(s))
     if s is not None:
         print(f"cells read F<m>+<s>: weights predicted s versions ahead (spectrain, variant={args.variant})")
