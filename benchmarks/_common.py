@@ -1,11 +1,13 @@
-"""Shared pieces of the benchmarks: a quiet Ray, sleep-timed blocks, result files."""
+"""Shared pieces of the benchmarks: a quiet Ray, sleep-timed blocks, result files, CPU accounting, free ports."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -103,3 +105,58 @@ class KillActor:
                 raise RuntimeError(f"no {self.title} process found under this process")
             self.pid, self.killed_at = victims[-1].pid, time.time()
             os.kill(self.pid, signal.SIGKILL)
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a live process has used (Linux ``/proc``); 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(roots: Sequence[int]) -> list[int]:
+    """``roots`` and all their live descendants (Linux ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def self_cpu_s() -> float:
+    """CPU seconds of this process, all threads."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def ray_system_pids() -> list[int]:
+    """Root processes of this driver's local Ray node (GCS, raylet, monitors); empty if Ray does not say."""
+    try:
+        import ray
+
+        node = ray._private.worker._global_node  # not public API; used only for the CPU accounting
+        return [p.process.pid for procs in node.all_processes.values() for p in procs]
+    except Exception:  # noqa: BLE001 - the accounting is optional
+        return []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

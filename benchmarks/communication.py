@@ -13,7 +13,7 @@ Definitions, per optimizer update (one batch), N stages or N workers, P trainabl
 * **MP, analytic**: the sum over the N-1 stage boundaries of the bytes of the activation crossing it
   forward (every tensor of a tuple activation, integer ids and boolean masks included) plus the bytes
   of its gradient crossing it backward (only the floating-point tensors: integer tensors get no
-  gradient, exactly as ``rayspec.stage.Stage`` makes float inputs require grad and sends their
+  gradient, exactly as ``rayspec.core.stage.Stage`` makes float inputs require grad and sends their
   ``.grad``). Obtained by running the blocks on PyTorch's ``meta`` device (shapes and dtypes, no
   arithmetic), at the paper batch and at the counting batch. This is the total over all devices.
 * **MP, counted**: the model split into the same stages, run through the real ``Stage`` objects and
@@ -28,7 +28,7 @@ Definitions, per optimizer update (one batch), N stages or N workers, P trainabl
   all-gather), ``2 (N-1) * P * 4`` in total over the N workers. What rayspec's data-parallel counter
   measures (``summary["bytes_per_update"]`` of ``pipeline.method=dataparallel``) is the gradient buffer
   handed to all-reduce, ``P * 4`` per worker per update; unless ``--no-ray`` that is checked on a tiny MLP
-  with 2 Ray Train workers through ``rayspec.trainer.train``.
+  with 2 Ray Train workers through ``rayspec.training.train``.
 * **Ratio** ``DP/MP`` = DP total (ring, all workers) / MP total (all boundaries, both directions): how
   many times more bytes data parallelism moves per update than model parallelism on the same N devices.
 
@@ -45,7 +45,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,13 +52,14 @@ from torch import nn
 
 from benchmarks._common import start_ray, table, write
 from benchmarks.partition import build
+from rayspec.core.activations import activation_bytes
+from rayspec.core.methods import METHODS
+from rayspec.core.schedule import build_schedule
+from rayspec.core.stage import make_stages
 from rayspec.data import DataInfo
-from rayspec.executor import LocalExecutor
+from rayspec.exec import LocalExecutor
 from rayspec.models import MODELS, ModelError
 from rayspec.partition import by_parameters, human_bytes, split, uniform
-from rayspec.profile import activation_bytes
-from rayspec.schedule import METHOD_SCHEDULE, build_schedule
-from rayspec.stage import METHOD_POLICY, Stage
 
 BATCH = {"image": 128, "text": 256}  # the paper's batch per update: CIFAR-10 128, IMDb 256
 PAPER_MODELS = ("vgg16", "resnet152", "inception_v4", "snn", "transformer", "residual_lstm")
@@ -172,14 +172,13 @@ def count_bytes(model: nn.Sequential, info: DataInfo, batch: int, balance: Seque
                          f"{', '.join(COUNT_METHODS)}")
     parts = split(copy.deepcopy(model), balance)
     n = len(parts)
-    stages = [Stage(part, k, n, policy=METHOD_POLICY[method], lr=0.01, momentum=0.9, seed=seed)
-              for k, part in enumerate(parts)]
-    schedule = build_schedule(METHOD_SCHEDULE[method], n, updates)
+    stages = make_stages(parts, method, lr=0.01, momentum=0.9, seed=seed)
+    schedule = build_schedule(METHODS[method].schedule, n, updates)
     batches = [example_batch(info, batch, seed + i) for i in range(updates)]
     if executor == "local":
         runner: Any = LocalExecutor(stages, method)
     elif executor == "ray":
-        from rayspec.ray_executor import RayExecutor
+        from rayspec.exec.ray import RayExecutor
 
         runner = RayExecutor(stages, method, transport="object_store", cpus_per_stage=cpus_per_stage)
     else:
@@ -211,19 +210,15 @@ def check_counted(counted: Sequence[dict[str, int]], cuts: Sequence[dict[str, in
 
 def dp_counted(updates: int = 3) -> dict[str, Any]:
     """Train a tiny MLP with 2 data-parallel Ray Train workers; return its all-reduce counters against ``P * 4``."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
     from rayspec.config import from_mapping
-    from rayspec.trainer import prepare, train
+    from rayspec.config.compose import compose
+    from rayspec.training import train
+    from rayspec.training.prepare import prepare
 
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
     overrides = ["pipeline.method=dataparallel", "model=mlp", "model.size=tiny", "pipeline.stages=2",
                  f"train.max_steps={updates}", f"train.log_every={updates}", "train.batch_size=64",
                  "data.train_size=256", "data.val_size=64", "train.eval_every=0"]
-    with initialize_config_dir(conf, version_base="1.3"):
-        cfg = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
-    config = from_mapping(cfg)  # type: ignore[arg-type]
+    config = from_mapping(compose(overrides))
     expected = parameter_bytes(prepare(config).model)
     with tempfile.TemporaryDirectory() as run_dir:
         summary = train(config, run_dir, echo=lambda _: None)

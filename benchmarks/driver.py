@@ -2,8 +2,8 @@
 
     python -m benchmarks.driver [--quick] [--rounds 3] [--steps 60]
 
-``rayspec.trainer.train`` runs a Ray run's loop in a driver actor and relays what it streams back; the
-loop itself (``rayspec.trainer._run``) can also run in the calling process, as it did before the
+``rayspec.training.train`` runs a Ray run's loop in a driver actor and relays what it streams back; the
+loop itself (``rayspec.training.loop.run``) can also run in the calling process, as it did before the
 driver actor. Both run the same spectrain and gpipe pipelines (small MLP, 4 stages of 0.5 CPU each,
 ``--steps`` updates, an evaluation every 20) in one Ray instance, interleaved over ``--rounds``
 rounds. Reported per method: the median ratio driver actor / in process of the training throughput
@@ -21,7 +21,9 @@ from pathlib import Path
 
 from benchmarks._common import start_ray, table, write
 from rayspec.config import from_mapping
-from rayspec.trainer import _run, prepare, train
+from rayspec.training import train
+from rayspec.training.loop import run
+from rayspec.training.prepare import prepare
 
 
 def settings(method: str, steps: int, size: str) -> dict:
@@ -38,7 +40,7 @@ def in_process(config, run_dir: Path) -> dict:
     """The run loop in this process (no driver actor): what ``train`` did before it had one."""
     prepared = prepare(config, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return _run(prepared, run_dir, lambda _: None, [], None, 0)
+    return run(prepared, run_dir, lambda _: None, [], None, 0)
 
 
 def main() -> None:

@@ -29,11 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks._common import SleepBlock, start_ray, table, write
-from benchmarks.peer import free_port
-from rayspec.ray_executor import RayExecutor
-from rayspec.schedule import build_schedule
-from rayspec.stage import Stage
+from benchmarks._common import SleepBlock, free_port, start_ray, table, write
+from rayspec.core.schedule import build_schedule
+from rayspec.core.stage import Stage
+from rayspec.exec.ray import RayExecutor
 
 
 def _stages(n: int, f: float, b: float, group: int) -> list[Stage]:

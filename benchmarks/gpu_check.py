@@ -32,21 +32,22 @@ from typing import Any
 import torch
 
 from benchmarks._common import table, write
+from rayspec.core.methods import METHODS
+from rayspec.core.schedule import build_schedule
+from rayspec.core.stage import Stage
+from rayspec.core.stage import make_stages as stages_for
 from rayspec.data import build_data
-from rayspec.executor import LocalExecutor
+from rayspec.exec import LocalExecutor
 from rayspec.models import build_model
 from rayspec.partition import split, uniform
-from rayspec.schedule import METHOD_SCHEDULE, build_schedule
-from rayspec.stage import METHOD_POLICY, Stage
 
-METHODS = ("vanilla", "gpipe", "async", "pipedream", "spectrain")
+COMPARED = ("vanilla", "gpipe", "async", "pipedream", "spectrain")
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def make_stages(model: torch.nn.Sequential, method: str, n: int, group: int) -> list[Stage]:
     parts = split(copy.deepcopy(model), uniform(len(model), n))
-    return [Stage(p, k, n, policy=METHOD_POLICY[method], lr=0.05, momentum=0.9, weight_decay=1e-4, group=group)
-            for k, p in enumerate(parts)]
+    return stages_for(parts, method, lr=0.05, momentum=0.9, weight_decay=1e-4, group=group)
 
 
 def batches(data: Any, updates: int, batch: int, group: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -65,7 +66,7 @@ def run(executor: Any, model: torch.nn.Sequential, data: Any, method: str, n: in
     else:
         executor.load(stages)
         executor.method = method
-    schedule = build_schedule(METHOD_SCHEDULE[method], n, updates * group, group=group)
+    schedule = build_schedule(METHODS[method].schedule, n, updates * group, group=group)
     t0 = time.perf_counter()
     losses = executor.run(schedule, iter(batches(data, updates, batch, group)))
     if torch.cuda.is_available():
@@ -74,7 +75,7 @@ def run(executor: Any, model: torch.nn.Sequential, data: Any, method: str, n: in
 
 
 def check_transport(transport: str, args: argparse.Namespace, gpus: float) -> list[dict[str, Any]]:
-    from rayspec.ray_executor import RayExecutor
+    from rayspec.exec.ray import RayExecutor
 
     n = args.stages
     tiny_data = build_data("synthetic_image", seed=0, train_size=2048, val_size=64)
@@ -86,7 +87,7 @@ def check_transport(transport: str, args: argparse.Namespace, gpus: float) -> li
                      gpus_per_stage=gpus)
     try:
         devices = ray_devices(ex)
-        for method in METHODS:
+        for method in COMPARED:
             _, losses, got = run(ex, tiny, tiny_data, method, n, args.updates, 32)
             _, ref_losses, want = run(LocalExecutor(make_stages(tiny, method, n, 1), method), tiny, tiny_data,
                                       method, n, args.updates, 32)
@@ -116,10 +117,8 @@ def check_transport(transport: str, args: argparse.Namespace, gpus: float) -> li
 
 
 def ray_devices(ex: Any) -> str:
-    import ray
 
-    stages = ray.get([a.get_stage.remote() for a in ex.actors])
-    return ",".join(str(st.device) for st in stages)
+    return ",".join(st["device"] for st in ex.stage_stats())
 
 
 def main() -> int:

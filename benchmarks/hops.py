@@ -39,18 +39,10 @@ from typing import Any
 import ray
 import torch
 
-from benchmarks._common import table, write
-from benchmarks.peer import (
-    PeerConfig,
-    TorchPeer,
-    build_parts,
-    compiled_hop_s,
-    p2p_hop_s,
-    process_cpu_s,
-    process_tree,
-    ray_system_pids,
-    self_cpu_s,
-)
+from benchmarks._common import process_cpu_s, process_tree, ray_system_pids, self_cpu_s, table, write
+from benchmarks.one_hop import compiled_hop_s, p2p_hop_s
+from benchmarks.peer_setup import PeerConfig, build_parts
+from benchmarks.torch_peer import TorchPeer
 
 
 @ray.remote(num_cpus=0.01)

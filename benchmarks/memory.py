@@ -37,14 +37,15 @@ import torch
 
 from benchmarks._common import table, write
 from benchmarks.partition import build
+from rayspec.core.methods import METHODS
+from rayspec.core.schedule import build_schedule
+from rayspec.core.stage import make_stages
 from rayspec.data import DataInfo
-from rayspec.executor import LocalExecutor
+from rayspec.exec import LocalExecutor
 from rayspec.models import ModelError
 from rayspec.partition import PartitionError, by_parameters, split, uniform
-from rayspec.schedule import METHOD_SCHEDULE, build_schedule
-from rayspec.stage import METHOD_POLICY, Stage
 
-METHODS = ("pipedream", "spectrain")
+STORED = ("pipedream", "spectrain")
 FULL_MODELS = ("vgg16", "resnet50", "resnet152", "transformer", "residual_lstm")
 QUICK_MODELS = ("mlp", "vgg16", "transformer")
 MIB = 2**20
@@ -99,7 +100,7 @@ def expected_copies(method: str, n: int, k: int, *, later: bool, predicts: bool 
         return 2 + int(predicts)
     if method == "pipedream":
         return 2 + (n - k)
-    raise ValueError(f"method={method!r}: expected copies are known for {', '.join(METHODS)}")
+    raise ValueError(f"method={method!r}: expected copies are known for {', '.join(STORED)}")
 
 
 def stage_memory(
@@ -124,10 +125,10 @@ def stage_memory(
         (whether every loss was finite; the memory does not depend on it).
     """
     parts = split(copy.deepcopy(model), balance)
-    stages = [Stage(p, k, n, policy=METHOD_POLICY[method], lr=lr, momentum=momentum) for k, p in enumerate(parts)]
+    stages = make_stages(parts, method, lr=lr, momentum=momentum)
     ex = LocalExecutor(stages, method, variant)
     m = microbatch_count(n)
-    schedule = build_schedule(METHOD_SCHEDULE[method], n, m)
+    schedule = build_schedule(METHODS[method].schedule, n, m)
     first: list[int] = []
     finite = True
     for seg in range(segments):
@@ -149,7 +150,7 @@ def measure(name: str, size: str, n: int, partition: str, batch: int, segments: 
     model, info = build(name, size)
     balance = balance_for(model, n, partition)
     res = {method: stage_memory(model, info, n, method, balance, batch=batch, segments=segments, variant=variant)
-           for method in METHODS}
+           for method in STORED}
     predicts = predicting_stages(n, microbatch_count(n), variant)
     stages = []
     for k in range(n):

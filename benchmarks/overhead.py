@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from benchmarks._common import start_ray, table, write
-from rayspec.ray_executor import RayExecutor
-from rayspec.schedule import build_schedule
-from rayspec.stage import Stage
+from rayspec.core.schedule import build_schedule
+from rayspec.core.stage import Stage
+from rayspec.exec.ray import RayExecutor
 
 
 @ray.remote(num_cpus=0.01)

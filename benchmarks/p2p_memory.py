@@ -21,9 +21,10 @@ from typing import Any
 
 import ray
 
-import rayspec.p2p
+import rayspec.exec.ray.p2p
 from benchmarks._common import start_ray, table, write
-from benchmarks.peer import PeerConfig, RayspecRunner, build_parts
+from benchmarks.peer import RayspecRunner
+from benchmarks.peer_setup import PeerConfig, build_parts
 
 
 def _peak_mib(pid: int) -> float:
@@ -46,9 +47,9 @@ def _held(plan: Any) -> Any:
 def measure(cfg: PeerConfig, runner: str, batches: int, held: bool) -> list[float]:
     """MiB by which each stage actor's peak resident memory rose during one segment of ``batches`` batches."""
     parts, _ = build_parts(cfg)
-    plan = rayspec.p2p.plan_p2p
+    plan = rayspec.exec.ray.p2p.plan_p2p
     if held:
-        rayspec.p2p.plan_p2p = _held(plan)
+        rayspec.exec.ray.p2p.plan_p2p = _held(plan)
     run = RayspecRunner(parts, cfg, runner, "p2p", cpus_per_stage=0.5)
     try:
         run.steps(8)  # the stages' buffers and allocator pools reach their steady size
@@ -57,7 +58,7 @@ def measure(cfg: PeerConfig, runner: str, batches: int, held: bool) -> list[floa
         return [_peak_mib(p) - b for p, b in zip(run.stage_pids, before)]
     finally:
         run.close()
-        rayspec.p2p.plan_p2p = plan
+        rayspec.exec.ray.p2p.plan_p2p = plan
 
 
 def main() -> None:

@@ -21,8 +21,7 @@ import torch
 from benchmarks._common import table, write
 from rayspec.data import DataInfo
 from rayspec.models import MODELS, ModelError, build_model
-from rayspec.partition import BlockProfile, human_bytes, human_count, min_max_split, uniform
-from rayspec.profile import profile_blocks
+from rayspec.partition import BlockProfile, human_bytes, human_count, min_max_split, profile_blocks, uniform
 
 IMAGE = DataInfo("image", 10, (3, 32, 32))
 TEXT = DataInfo("text", 2, (256,), 20000)

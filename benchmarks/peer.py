@@ -70,362 +70,31 @@ import argparse
 import copy
 import math
 import os
-import socket
 import statistics
 import time
-import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict
 
 import torch
 from torch import nn
 
-from benchmarks._common import start_ray, table, write
-from rayspec.data import DataInfo
-from rayspec.models import build_model
-from rayspec.partition import by_parameters, split
-from rayspec.schedule import Action, Schedule, build_schedule
-from rayspec.stage import METHOD_POLICY, Stage
-
-IMAGE = DataInfo("image", 10, (3, 32, 32))
-TORCH_SCHEDULES = ("gpipe", "1f1b")
-RAYSPEC_RUNNERS = ("gpipe", "1f1b-flushed", "spectrain", "spectrain-grouped")
-# rayspec runner -> torch schedule
-PEER_OF = {"gpipe": "gpipe", "1f1b-flushed": "1f1b", "spectrain": "1f1b", "spectrain-grouped": "1f1b"}
-LIKE_FOR_LIKE = {"gpipe": True, "1f1b-flushed": True, "spectrain": False, "spectrain-grouped": False}
-
-
-@dataclass(frozen=True)
-class PeerConfig:
-    """What both sides train: the model, the batches and SGD.
-
-    Attributes:
-        model, size: ``rayspec.models`` name and size (image data, ``(3, 32, 32)``, 10 classes).
-        batch: samples per batch (one update each for the flushed schedules).
-        microbatches: ``M``, micro-batches per batch.
-        lr, momentum: SGD settings of both sides.
-        pool: distinct batches generated up front and cycled (no data loading in the timings).
-        seed: seeds the weights and the batches.
-    """
-
-    model: str = "mlp"
-    size: str = "full"
-    batch: int = 256
-    microbatches: int = 8
-    lr: float = 0.01
-    momentum: float = 0.9
-    pool: int = 4
-    seed: int = 0
-
-
-# ----------------------------------------------------------------------------- shared set-up
-def build_parts(cfg: PeerConfig) -> tuple[list[nn.Sequential], list[int]]:
-    """The model of ``cfg`` cut into 2 stages by parameters, and the block counts."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, IMAGE, cfg.size)
-    balance = by_parameters(model, 2)
-    return split(model, balance), balance
-
-
-def make_batches(cfg: PeerConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``cfg.pool`` deterministic ``(images, labels)`` batches of ``cfg.batch`` samples."""
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    return [(torch.randn(cfg.batch, *IMAGE.input_shape, generator=g),
-             torch.randint(0, IMAGE.num_classes, (cfg.batch,), generator=g)) for _ in range(cfg.pool)]
-
-
-def microbatches(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int, count: int,
-                 m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches ``start .. start + count - 1`` (cycling the pool), each cut into ``m`` micro-batches in order."""
-    out = []
-    for i in range(start, start + count):
-        x, y = batches[i % len(batches)]
-        out += list(zip(x.tensor_split(m), y.tensor_split(m)))
-    return out
-
-
-def flushed_1f1b(stages: int, m: int, batches: int) -> Schedule:
-    """``batches`` flushed 1F1B batches of ``m`` micro-batches, one update each: ``Schedule1F1B``'s order and semantics."""
-    one = build_schedule("1f1b", stages, m, group=m)
-    actions = tuple(
-        tuple(Action(a.stage, a.kind, a.microbatch + b * m, a.update) for b in range(batches) for a in one.actions[k])
-        for k in range(stages)
-    )
-    schedule = Schedule("1f1b", stages, m * batches, m, actions)
-    schedule.validate()
-    return schedule
-
-
-def rayspec_schedule(runner: str, m: int, batches: int) -> Schedule:
-    """The schedule a rayspec runner trains ``batches`` batches with."""
-    if runner == "gpipe":
-        return build_schedule("gpipe", 2, m * batches, group=m)
-    if runner == "1f1b-flushed":
-        return flushed_1f1b(2, m, batches)
-    if runner == "spectrain":
-        return build_schedule("1f1b", 2, m * batches)
-    if runner == "spectrain-grouped":
-        return build_schedule("1f1b", 2, m * batches, group=m)
-    raise ValueError(f"runner={runner!r} is unknown; choose one of {', '.join(RAYSPEC_RUNNERS)}")
-
-
-def profile_stages(parts: Sequence[nn.Module], cfg: PeerConfig, repeats: int = 10) -> dict[tuple[int, str], float]:
-    """Median seconds of each stage's F and B on one micro-batch, alone, at 1 thread (loss included on the last)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        parts = [copy.deepcopy(p) for p in parts]
-        x, y = make_batches(cfg)[0]
-        x, y = x[: cfg.batch // cfg.microbatches], y[: cfg.batch // cfg.microbatches]
-        out: dict[tuple[int, str], float] = {}
-        inp = x
-        for k, part in enumerate(parts):
-            f, b = [], []
-            for _ in range(repeats + 2):
-                xi = inp.detach().requires_grad_(k > 0)
-                t0 = time.perf_counter()
-                o = part(xi)
-                if k == len(parts) - 1:
-                    o = nn.functional.cross_entropy(o, y)
-                t1 = time.perf_counter()
-                if k == len(parts) - 1:
-                    o.backward()
-                else:
-                    o.backward(torch.ones_like(o))
-                t2 = time.perf_counter()
-                f.append(t1 - t0)
-                b.append(t2 - t1)
-            out[(k, "F")], out[(k, "B")] = statistics.median(f[2:]), statistics.median(b[2:])
-            inp = part(inp).detach()
-        return out
-    finally:
-        torch.set_num_threads(threads)
-
-
-def ideal_step_s(runner: str, m: int, durations: dict[tuple[int, str], float], batches: int = 4) -> float:
-    """Ideal seconds per batch of a runner's schedule (no communication cost) under ``durations``."""
-    return rayspec_schedule(runner, m, batches).makespan(durations) / batches
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds a live process has used (Linux ``/proc``); 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def process_tree(roots: Sequence[int]) -> list[int]:
-    """``roots`` and all their live descendants (Linux ``/proc``)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], list(roots)
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
-def self_cpu_s() -> float:
-    """CPU seconds of this process, all threads."""
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def ray_system_pids() -> list[int]:
-    """Root processes of this driver's local Ray node (GCS, raylet, monitors); empty if Ray does not say."""
-    try:
-        import ray
-
-        node = ray._private.worker._global_node  # not public API; used only for the CPU accounting
-        return [p.process.pid for procs in node.all_processes.values() for p in procs]
-    except Exception:  # noqa: BLE001 - the accounting is optional
-        return []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ----------------------------------------------------------------------------- torch side
-def _torch_worker(rank: int, port: int, part: nn.Module, cfg: PeerConfig, commands: Any, results: Any) -> None:
-    """One torch pipeline rank: runs the commands it is sent until ``stop``."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        data = make_batches(cfg)
-        init = copy.deepcopy(part.state_dict())
-        runs: dict[str, dict[str, Any]] = {}
-        for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-            module = copy.deepcopy(part)
-            stage = PipelineStage(module, rank, 2, torch.device("cpu"))
-            busy = _time_actions(stage)
-            sched = cls(stage, cfg.microbatches, loss_fn=nn.functional.cross_entropy)
-            runs[name] = {"module": module, "schedule": sched, "step": 0, "busy": busy,
-                          "opt": torch.optim.SGD(module.parameters(), lr=cfg.lr, momentum=cfg.momentum)}
-        results.put((rank, "ready", None))
-        while True:
-            cmd = commands.get()
-            if cmd[0] == "stop":
-                break
-            if cmd[0] == "reset":  # back to the initial weights, fresh momentum, batch 0
-                run = runs[cmd[1]]
-                run["module"].load_state_dict(init)
-                run["opt"] = torch.optim.SGD(run["module"].parameters(), lr=cfg.lr, momentum=cfg.momentum)
-                run["step"] = 0
-                results.put((rank, "reset", None))
-            elif cmd[0] == "steps":
-                run = runs[cmd[1]]
-                losses: list[float] = []
-                for v in run["busy"].values():
-                    v[:] = [0.0, 0]
-                dist.barrier()
-                cpu0 = self_cpu_s()
-                t0 = time.perf_counter()
-                for _ in range(cmd[2]):
-                    x, y = data[run["step"] % len(data)]
-                    run["opt"].zero_grad()
-                    if rank == 0:
-                        run["schedule"].step(x)
-                    else:
-                        mb: list[torch.Tensor] = []
-                        run["schedule"].step(target=y, losses=mb, return_outputs=False)
-                        losses.append(float(torch.stack(mb).mean().detach()))
-                    run["opt"].step()
-                    run["step"] += 1
-                dist.barrier()
-                elapsed, cpu = time.perf_counter() - t0, self_cpu_s() - cpu0
-                busy_s = {kind: t / max(1, n) for kind, (t, n) in run["busy"].items()}
-                results.put((rank, "steps", (elapsed, losses, cpu, busy_s)))
-            elif cmd[0] == "pingpong":  # one-way seconds of a tensor hop over gloo send/recv
-                shape, count = cmd[1], cmd[2]
-                buf = torch.randn(shape)
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(count):
-                    if rank == 0:
-                        dist.send(buf, 1)
-                        dist.recv(buf, 1)
-                    else:
-                        dist.recv(buf, 0)
-                        dist.send(buf, 0)
-                elapsed = time.perf_counter() - t0
-                results.put((rank, "pingpong", elapsed / (2 * count)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _time_actions(stage: Any) -> dict[str, list]:
-    """Wrap a ``PipelineStage``'s ``forward_one_chunk``/``backward_one_chunk`` to sum their seconds: ``{kind: [s, n]}``."""
-    busy: dict[str, list] = {"F": [0.0, 0], "B": [0.0, 0]}
-    for kind, attr in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
-        inner = getattr(stage, attr)
-
-        def timed(*a: Any, _inner: Any = inner, _kind: str = kind, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return _inner(*a, **kw)
-            finally:
-                busy[_kind][0] += time.perf_counter() - t0
-                busy[_kind][1] += 1
-
-        setattr(stage, attr, timed)
-    return busy
-
-
-class TorchPeer:
-    """Two live torch pipeline ranks (spawned processes, gloo) driven by commands; use as a context manager."""
-
-    def __init__(self, parts: Sequence[nn.Module], cfg: PeerConfig, timeout_s: float = 600.0) -> None:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.timeout_s = timeout_s
-        self.results = ctx.Queue()
-        self.commands = [ctx.Queue(), ctx.Queue()]
-        port = free_port()
-        self.procs = [ctx.Process(target=_torch_worker, args=(r, port, parts[r], cfg, self.commands[r], self.results),
-                                  daemon=True) for r in range(2)]
-        for p in self.procs:
-            p.start()
-        self._collect("ready")
-
-    def _collect(self, kind: str) -> list[Any]:
-        got: dict[int, Any] = {}
-        deadline = time.monotonic() + self.timeout_s
-        while len(got) < 2:
-            try:
-                rank, k, payload = self.results.get(timeout=5.0)
-            except Exception:  # queue.Empty: check the workers are alive
-                dead = [p.exitcode for p in self.procs if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"torch pipeline workers failed (exit codes {dead}) waiting for {kind}") from None
-                continue
-            if k != kind:
-                raise RuntimeError(f"torch worker {rank} answered {k!r}, expected {kind!r}")
-            got[rank] = payload
-        return [got[0], got[1]]
-
-    def _send(self, *cmd: Any) -> None:
-        for q in self.commands:
-            q.put(cmd)
-
-    def reset(self, schedule: str) -> None:
-        """Put ``schedule``'s weights back to the start and its batch counter to 0."""
-        self._send("reset", schedule)
-        self._collect("reset")
-
-    def steps(self, schedule: str, count: int) -> tuple[float, list[float]]:
-        """Train ``count`` batches with ``schedule``: seconds (slower rank, between barriers) and per-batch losses.
-
-        ``last_cpu_s`` then holds the CPU seconds of both ranks and ``last_busy_s`` the mean seconds
-        per F and B inside each rank's ``PipelineStage`` (``{(rank, kind): s}``).
-        """
-        self._send("steps", schedule, count)
-        (t0, _, c0, b0), (t1, losses, c1, b1) = self._collect("steps")
-        self.last_cpu_s = {"ranks": c0 + c1}
-        self.last_busy_s = {(r, k): v for r, b in enumerate((b0, b1)) for k, v in b.items()}
-        return max(t0, t1), losses
-
-    def hop_s(self, shape: tuple[int, ...], count: int = 50) -> float:
-        """One-way seconds of a tensor of ``shape`` from one rank to the other (gloo ``send``/``recv``)."""
-        self._send("pingpong", shape, count)
-        return max(self._collect("pingpong"))
-
-    def close(self) -> None:
-        for p, q in zip(self.procs, self.commands):
-            if p.is_alive():
-                q.put(("stop",))
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-
-    def __enter__(self) -> TorchPeer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+from benchmarks._common import process_cpu_s, process_tree, ray_system_pids, self_cpu_s, start_ray, table, write
+from benchmarks.one_hop import ray_hop_s
+from benchmarks.peer_setup import (
+    IMAGE,
+    LIKE_FOR_LIKE,
+    PEER_OF,
+    RAYSPEC_RUNNERS,
+    PeerConfig,
+    build_parts,
+    ideal_step_s,
+    make_batches,
+    microbatches,
+    profile_stages,
+    rayspec_schedule,
+)
+from benchmarks.torch_peer import TorchPeer
+from rayspec.core.stage import make_stages
 
 
 # ----------------------------------------------------------------------------- rayspec side
@@ -434,15 +103,15 @@ class RayspecRunner:
 
     def __init__(self, parts: Sequence[nn.Module], cfg: PeerConfig, runner: str, transport: str,
                  cpus_per_stage: float = 1.0) -> None:
-        from rayspec.ray_executor import RayExecutor
+        from rayspec.exec.ray import RayExecutor
 
         if runner not in RAYSPEC_RUNNERS:
             raise ValueError(f"runner={runner!r} is unknown; choose one of {', '.join(RAYSPEC_RUNNERS)}")
         self.runner, self.cfg = runner, cfg
         method = "spectrain" if runner.startswith("spectrain") else "gpipe"
         self.group = rayspec_schedule(runner, cfg.microbatches, 1).group
-        stages = [Stage(copy.deepcopy(p), k, 2, policy=METHOD_POLICY[method], lr=cfg.lr, momentum=cfg.momentum,
-                        group=self.group) for k, p in enumerate(parts)]
+        stages = make_stages([copy.deepcopy(p) for p in parts], method, lr=cfg.lr, momentum=cfg.momentum,
+                             group=self.group)
         self.batches = make_batches(cfg)
         self.done = 0
         self.executor = RayExecutor(stages, method, transport=transport, cpus_per_stage=cpus_per_stage)
@@ -480,125 +149,6 @@ class RayspecRunner:
 
     def close(self) -> None:
         self.executor.close()
-
-
-def ray_hop_s(transport: str, shape: tuple[int, ...], count: int = 50) -> float:
-    """Seconds per hop of a chain of ``count`` dependent calls alternating between 2 actors, each returning a fresh tensor.
-
-    Each call receives the previous call's tensor and returns a fresh one of the same shape,
-    like an activation going from stage to stage (submitted by the driver, as ``RayExecutor`` does).
-    """
-    import ray
-
-    @ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
-    class Hop:
-        def __init__(self) -> None:
-            torch.set_num_threads(1)
-            warnings.filterwarnings("ignore", message="Zero-copy tensor serialization is enabled")
-
-        def echo(self, x: torch.Tensor) -> torch.Tensor:
-            return x + 0.0
-
-        def total(self, x: torch.Tensor) -> float:
-            return float(x.sum())
-
-    if transport == "p2p":
-        return p2p_hop_s(shape, count)
-    env = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}} if transport == "object_store" else None
-    actors = [Hop.options(num_cpus=0.5, runtime_env=env).remote() for _ in range(2)]  # type: ignore[attr-defined]
-    try:
-        ray.get([a.total.remote(torch.zeros(1)) for a in actors])
-        if transport == "compiled":
-            return compiled_hop_s(actors, shape, count)
-        if transport != "object_store":
-            from ray.experimental.collective import create_collective_group
-
-            create_collective_group(actors, backend=transport)
-
-        def chain(n: int) -> float:
-            x = torch.randn(shape)
-            t0 = time.perf_counter()
-            r: Any = x
-            for i in range(n):
-                call = actors[i % 2].echo
-                r = (call.options(tensor_transport=transport) if transport != "object_store" else call).remote(r)
-            ray.get(actors[n % 2].total.remote(r))
-            return time.perf_counter() - t0
-
-        chain(5)
-        # The chain's fixed cost (first submission, last fetch) cancels in the difference of two lengths.
-        per_hop = (chain(count) - chain(count // 5)) / (count - count // 5)
-        ray.get([a.total.remote(torch.zeros(1)) for a in actors])
-        time.sleep(1.0)  # let Ray's RDT monitor see the last transfers complete before the actors go
-        return per_hop
-    finally:
-        for a in actors:
-            ray.kill(a)
-
-
-def p2p_hop_s(shape: tuple[int, ...], count: int = 50) -> float:
-    """One-way seconds of a tensor between 2 Ray actors on ``pipeline.transport=p2p``'s data path: rayspec's
-    message (a header, then the bytes) over their gloo group, ping-pong timed inside the actors."""
-    import ray
-
-    from rayspec.p2p import P2PRunner
-
-    @ray.remote(num_cpus=0.5)
-    class P2PHop(P2PRunner):
-        def __init__(self) -> None:
-            torch.set_num_threads(1)
-
-        def pingpong(self, rank: int, n: int) -> float:
-            x = torch.randn(shape)
-            t0 = time.perf_counter()
-            for i in range(n):
-                if rank == 0:
-                    self._p2p_send(x, 1, 2 * i)
-                    x = self._p2p_recv(1, 2 * i + 1)
-                    self.p2p_wait_sends([(1, 2 * i)])  # its reply proves it through, as in a pipeline
-                else:
-                    x = self._p2p_recv(0, 2 * i)
-                    if i:
-                        self.p2p_wait_sends([(0, 2 * i - 1)])
-                    self._p2p_send(x + 0.0, 0, 2 * i + 1)  # a fresh tensor, as a stage sends
-            self.p2p_wait_sends()
-            return time.perf_counter() - t0
-
-    actors = [P2PHop.remote() for _ in range(2)]  # type: ignore[attr-defined]
-    try:
-        address, port = ray.get(actors[0].p2p_rendezvous.remote(2, 120.0))
-        ray.get([a.p2p_init.remote(address, port, r, 2, 120.0) for r, a in enumerate(actors)])
-        ray.get([a.pingpong.remote(r, 5) for r, a in enumerate(actors)])
-        return ray.get([a.pingpong.remote(r, count) for r, a in enumerate(actors)])[0] / (2 * count)
-    finally:
-        for a in actors:
-            ray.kill(a)
-
-
-def compiled_hop_s(actors: Sequence[Any], shape: tuple[int, ...], count: int, repeats: int = 10) -> float:
-    """Seconds per hop of a compiled graph chaining ``count`` ``echo`` calls between 2 actors (the median run)."""
-    from ray.dag import InputNode
-
-    def chain(n: int) -> float:
-        with InputNode() as inp:
-            node = inp
-            for i in range(n):
-                node = actors[i % 2].echo.bind(node)
-        dag = node.experimental_compile()
-        try:
-            x = torch.randn(shape)
-            for _ in range(3):
-                dag.execute(x).get(timeout=-1)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                dag.execute(x).get(timeout=-1)
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
-        finally:
-            dag.teardown()
-
-    return (chain(count) - chain(count // 5)) / (count - count // 5)
 
 
 # ----------------------------------------------------------------------------- the comparison

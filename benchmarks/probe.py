@@ -19,8 +19,8 @@ import torch
 
 from benchmarks._common import table, write
 from rayspec.config import from_mapping
-from rayspec.trainer import train
-from rayspec.tune import compose
+from rayspec.config.compose import compose
+from rayspec.training import train
 
 WORKLOADS = {
     "residual_lstm tiny": ["+experiment=lstm_imdb", "data=synthetic_text", "data.seq_len=32", "model.size=tiny",

@@ -26,7 +26,7 @@ import torch
 
 from benchmarks._common import KillActor, start_ray, table, write
 from rayspec.config import from_mapping
-from rayspec.trainer import train
+from rayspec.training import train
 
 
 def settings(steps: int, every: int, size: str, restarts: int = 0, transport: str = "auto") -> dict:

@@ -9,7 +9,7 @@ thread, micro-batches of ``batch / microbatches`` samples, F then B per micro-ba
 * ``async``: policy ``none``, one update per micro-batch (asynchronous 1F1B's);
 * ``spectrain``: policy ``predict`` with ``s = 1`` for F and B, one update per micro-batch, the
   prediction probe on (the trainer's default);
-* ``spectrain (copy swap)``: the same with ``rayspec.stage.SWAP_STORAGE`` off, the fallback where
+* ``spectrain (copy swap)``: the same with ``rayspec.core.swap.SWAP_STORAGE`` off, the fallback where
   storage pointers cannot be exchanged: each predicted action copies the stored weights away (a
   fresh tensor), writes the prediction in and copies them back.
 
@@ -34,10 +34,11 @@ import time
 
 import torch
 
-import rayspec.stage
+import rayspec.core.swap
 from benchmarks._common import table, write
-from benchmarks.peer import PeerConfig, build_parts, make_batches
-from rayspec.stage import Stage, _non_finite_grad
+from benchmarks.peer_setup import PeerConfig, build_parts, make_batches
+from rayspec.core.optim import non_finite_grad
+from rayspec.core.stage import Stage
 
 RUNS = {  # name: (policy, update every, s, pointer swap)
     "gpipe": ("none", None, 0, True),
@@ -72,7 +73,7 @@ def check_s(grads: list[torch.Tensor], repeats: int = 20) -> dict[str, float]:
     for p, g in zip(module, grads):
         p.grad = g
     out = {}
-    for name, fn in (("sum", lambda: _non_finite_grad(module)),
+    for name, fn in (("sum", lambda: non_finite_grad(module)),
                      ("inf_norm", lambda: bool(torch.isfinite(torch.stack(torch._foreach_norm(grads, math.inf))).all()))):
         fn()
         t0 = time.perf_counter()
@@ -105,12 +106,12 @@ def main() -> None:
     times: dict[tuple[int, str], list[float]] = {}
     for _ in range(repeats):  # runs interleaved, so load drifts hit all alike
         for name, (policy, every, s, pointer) in RUNS.items():
-            rayspec.stage.SWAP_STORAGE = pointer and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+            rayspec.core.swap.SWAP_STORAGE = pointer and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
             for k in (0, 1):
                 t = per_microbatch_s(parts[k], k, xs if k == 0 else acts, ys, grad, policy,
                                      every or cfg.microbatches, s, count)
                 times.setdefault((k, name), []).append(t)
-    rayspec.stage.SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+    rayspec.core.swap.SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
     rows = []
     for k in (0, 1):
         gpipe = statistics.median(times[k, "gpipe"])

@@ -2,11 +2,11 @@
 
     python -m benchmarks.studies [--only lstm_text,snn_image-third]
 
-Runs ``rayspec.study`` for every entry of ``RUNS`` into ``outputs/studies/<label>`` (finished runs are
+Runs ``rayspec.cli.study`` for every entry of ``RUNS`` into ``outputs/studies/<label>`` (finished runs are
 kept and skipped, as ``python -m rayspec.study`` does), then copies each study's ``study.md``,
 ``study_results.json`` and plots to ``benchmarks/results/studies/<label>/`` for the README.
 
-Every study runs at 4 stages, the stale methods and every SpecTrain predictor (``rayspec.predict``),
+Every study runs at 4 stages, the stale methods and every SpecTrain predictor (``rayspec.core.predict``),
 3 seeds. The swept rate (``benchmarks/study_lr.py``: the largest the sequential baseline takes
 without losing accuracy) puts every stale method at the edge of its stability; the third of it is
 fixed by that rule too, not chosen for any outcome. The same run by hand:
@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from pathlib import Path
 
 from benchmarks._common import RESULTS
-from rayspec.study import load_study, run_study
-from rayspec.study_config import STUDIES
-from rayspec.tune import ROOT, read_settings
+from rayspec.cli.common import read_settings
+from rayspec.cli.study import load_study, run_study
+from rayspec.cli.study_config import STUDIES
 
+ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("lstm_text", "transformer_text", "vgg16_image", "snn_image")
 METHODS = ["async", "pipedream", "spectrain-paper", "spectrain-consistent", "spectrain-paper-momentum",
            "spectrain-consistent-momentum", "spectrain-paper-adaptive", "spectrain-consistent-adaptive"]

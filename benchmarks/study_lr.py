@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from benchmarks._common import RESULTS, write
-from rayspec.study import BASELINE, RunSpec, load_study, train_run
-from rayspec.study_config import with_overrides
+from rayspec.cli.study import BASELINE, RunSpec, load_study, train_run
+from rayspec.cli.study_config import with_overrides
 
 STUDIES = ("lstm_text", "transformer_text", "vgg16_image", "snn_image")
 LRS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)

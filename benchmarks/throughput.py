@@ -1,4 +1,4 @@
-"""Training throughput (samples/s) of every method, data parallelism included, through ``rayspec.trainer.train``.
+"""Training throughput (samples/s) of every method, data parallelism included, through ``rayspec.training.train``.
 
     python -m benchmarks.throughput [--quick] [--models mlp,vgg16] [--stages 2,4] [--methods ...] [--steps 40]
                                     [--transports auto,p2p] [--out throughput]
@@ -35,23 +35,19 @@ from typing import Any
 import torch
 
 from benchmarks._common import start_ray, table, write
-from rayspec.config import METHODS, from_mapping
+from rayspec.config import from_mapping
+from rayspec.config.compose import compose
+from rayspec.core.methods import METHODS
 from rayspec.models import MODELS, SIZES
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
 ORDER = ("dataparallel", "vanilla", "gpipe", "async", "pipedream", "spectrain")
 TEXT_MODELS = frozenset({"transformer", "residual_lstm"})
 DEFAULT_SIZE = {"mlp": "small"}  # others: tiny (what a 2-core CPU trains in seconds)
 
 
 def compose_config(overrides: Sequence[str]) -> dict[str, Any]:
-    """The Hydra composition of ``conf/config.yaml`` with ``overrides``, as a plain resolved mapping."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    with initialize_config_dir(CONF, version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    """The run configuration with ``overrides``, as a plain resolved mapping."""
+    return compose(list(overrides))
 
 
 def trial_overrides(model: str, size: str, method: str, stages: int, *, steps: int, batch: int, cpus: float,
@@ -79,7 +75,7 @@ def steady_rate(run_dir: Path, batch: int) -> float | None:
 
 def run_trial(overrides: Sequence[str]) -> dict[str, Any]:
     """Train one trial into a temporary run directory; its throughput figures, or its error."""
-    from rayspec.trainer import train
+    from rayspec.training import train
 
     lines: list[str] = []
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ import argparse
 import tempfile
 
 from rayspec.config import Config
-from rayspec.trainer import train
+from rayspec.training import train
 
 METHODS = ("vanilla", "gpipe", "async", "pipedream", "spectrain")
 

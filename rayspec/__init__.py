@@ -1,17 +1,45 @@
-"""rayspec: pipelined model parallelism on Ray with SpecTrain weight prediction."""
+"""rayspec: pipelined model parallelism on Ray with SpecTrain weight prediction.
 
-from rayspec.executor import LocalExecutor
-from rayspec.schedule import Schedule, build_schedule
-from rayspec.stage import Stage
+What a user calls: ``run`` (train from a ``Config``; the command ``python -m rayspec.train`` does the same
+from Hydra overrides), ``Config``, the method registry ``METHODS``, and the lower-level pieces the
+trainer is built from: ``Stage``, ``build_schedule``, ``LocalExecutor`` and ``RayExecutor``.
+
+The names load on first use, so that importing one part (a stage actor imports ``rayspec.exec.ray``)
+does not import the others (the trainer, the data sets, Ray).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rayspec.config import Config
+    from rayspec.core.methods import METHODS
+    from rayspec.core.schedule import Schedule, build_schedule
+    from rayspec.core.stage import Stage
+    from rayspec.exec import LocalExecutor
+    from rayspec.exec.ray import RayExecutor
+    from rayspec.training import train as run
+
+_EXPORTS = {
+    "run": ("rayspec.training", "train"),
+    "Config": ("rayspec.config", "Config"),
+    "METHODS": ("rayspec.core.methods", "METHODS"),
+    "Stage": ("rayspec.core.stage", "Stage"),
+    "Schedule": ("rayspec.core.schedule", "Schedule"),
+    "build_schedule": ("rayspec.core.schedule", "build_schedule"),
+    "LocalExecutor": ("rayspec.exec", "LocalExecutor"),
+    "RayExecutor": ("rayspec.exec.ray", "RayExecutor"),
+}
 
 
-def __getattr__(name: str):  # RayExecutor imports Ray; load it only when asked for
-    if name == "RayExecutor":
-        from rayspec.ray_executor import RayExecutor
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rayspec' has no attribute {name!r}")
+    module, attr = _EXPORTS[name]
+    return getattr(importlib.import_module(module), attr)
 
-        return RayExecutor
-    raise AttributeError(name)
 
-
-__all__ = ["Stage", "Schedule", "build_schedule", "LocalExecutor", "RayExecutor"]
+__all__ = ["run", "Config", "METHODS", "Stage", "Schedule", "build_schedule", "LocalExecutor", "RayExecutor"]
 __version__ = "0.1.0"

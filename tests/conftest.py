@@ -8,12 +8,13 @@ import os
 import pytest
 import torch
 
+from rayspec.core.methods import METHODS as REGISTRY
+from rayspec.core.schedule import build_schedule
+from rayspec.core.stage import make_stages as stages_for
 from rayspec.data import build_data
-from rayspec.executor import LocalExecutor
+from rayspec.exec import LocalExecutor
 from rayspec.models import build_model
 from rayspec.partition import split, uniform
-from rayspec.schedule import METHOD_SCHEDULE, build_schedule
-from rayspec.stage import METHOD_POLICY, Stage
 
 METHODS = ("vanilla", "gpipe", "async", "pipedream", "spectrain")
 
@@ -40,13 +41,9 @@ def tiny():
 
 def make_stages(model, method, n, *, lr=0.05, momentum=0.9, weight_decay=1e-4, group=None, record=False,
                 backward="mixed", nesterov=False, predictor="linear", probe=4096):
-    group = group or 1
     parts = split(copy.deepcopy(model), uniform(len(model), n))
-    return [
-        Stage(p, k, n, policy=METHOD_POLICY[method], lr=lr, momentum=momentum, weight_decay=weight_decay,
-              group=group, record=record, backward=backward, nesterov=nesterov, predictor=predictor, probe=probe)
-        for k, p in enumerate(parts)
-    ]
+    return stages_for(parts, method, lr=lr, momentum=momentum, weight_decay=weight_decay, group=group or 1,
+                      record=record, backward=backward, nesterov=nesterov, predictor=predictor, probe=probe)
 
 
 def microbatches(data, updates, batch, group=1):
@@ -60,7 +57,7 @@ def run_local(model, data, method, n, updates=16, batch=32, group=None, variant=
     group = group or (4 if method == "gpipe" else 1)
     stages = make_stages(model, method, n, group=group, **kw)
     ex = LocalExecutor(stages, method, variant)
-    schedule = build_schedule(METHOD_SCHEDULE[method], n, updates * group, group=group)
+    schedule = build_schedule(REGISTRY[method].schedule, n, updates * group, group=group)
     losses = ex.run(schedule, microbatches(data, updates, batch, group))
     return ex, losses, schedule
 

@@ -20,9 +20,9 @@ import ray._common.utils
 import ray._private.utils
 from ray.cluster_utils import Cluster
 
-from rayspec import trainer
 from rayspec.config import from_mapping
-from rayspec.tune import compose
+from rayspec.config.compose import compose
+from rayspec.training import train
 
 # Cluster records its address in the machine's default Ray directory (/tmp/ray), where any plain
 # ray.init() on the machine would find and join it; this cluster is private to the script.
@@ -48,7 +48,7 @@ def main(out_dir: Path, temp: str) -> None:
         for name, extra in (("spread", ["pipeline.placement=spread"]), ("pack", ["pipeline.placement=pack"]),
                             ("local", ["pipeline.executor=local"])):
             config = from_mapping(compose(OVERRIDES + extra))
-            summary = trainer.train(config, out_dir / name, echo=lambda line: None)
+            summary = train(config, out_dir / name, echo=lambda line: None)
             losses[name] = summary["final_train_loss"]
             if "stage_nodes" in summary:  # the Ray executor
                 placed[name], drivers[name] = summary["stage_nodes"], summary["driver_node"]

@@ -11,13 +11,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
 
-from benchmarks import efficiency, memory, peer  # noqa: E402
+from benchmarks import efficiency, memory, one_hop, peer, peer_setup, torch_peer  # noqa: E402
 from rayspec.data import DataInfo  # noqa: E402
 from rayspec.models import build_model  # noqa: E402
 from rayspec.partition import uniform  # noqa: E402
 
 IMAGE = DataInfo("image", 10, (3, 32, 32))
-TINY = peer.PeerConfig(model="mlp", size="tiny", batch=16, microbatches=4, pool=2)
+TINY = peer_setup.PeerConfig(model="mlp", size="tiny", batch=16, microbatches=4, pool=2)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -71,28 +71,28 @@ def test_predicting_stages_consistent_variant():
 
 # ----------------------------------------------------------------------------- peer
 def test_flushed_1f1b_is_torch_schedule1f1b():
-    s = peer.flushed_1f1b(2, 4, 3)
+    s = peer_setup.flushed_1f1b(2, 4, 3)
     assert s.is_synchronous() and s.updates == 3 and s.group == 4
     first = [str(a) for a in s.actions[0][:8]]
     assert first == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]  # then the next batch, after the flush
     assert str(s.actions[0][8]) == "F4"
-    assert peer.rayspec_schedule("gpipe", 4, 3).is_synchronous()
-    assert not peer.rayspec_schedule("spectrain", 4, 3).is_synchronous()
-    grouped = peer.rayspec_schedule("spectrain-grouped", 4, 3)  # one update per batch, no flush between batches
+    assert peer_setup.rayspec_schedule("gpipe", 4, 3).is_synchronous()
+    assert not peer_setup.rayspec_schedule("spectrain", 4, 3).is_synchronous()
+    grouped = peer_setup.rayspec_schedule("spectrain-grouped", 4, 3)  # one update per batch, no flush between batches
     assert not grouped.is_synchronous() and grouped.updates == 3 and grouped.group == 4
     assert [str(a) for a in grouped.actions[0][7:9]] == ["F4", "B3"]  # the next batch starts before the update
 
 
 def test_microbatches_and_ideal():
-    parts, balance = peer.build_parts(TINY)
+    parts, balance = peer_setup.build_parts(TINY)
     assert len(parts) == 2 and sum(balance) == 7
-    batches = peer.make_batches(TINY)
-    mbs = peer.microbatches(batches, 1, 3, TINY.microbatches)
+    batches = peer_setup.make_batches(TINY)
+    mbs = peer_setup.microbatches(batches, 1, 3, TINY.microbatches)
     assert len(mbs) == 3 * TINY.microbatches and mbs[0][0].shape == (4, 3, 32, 32)
-    compute = peer.profile_stages(parts, TINY, repeats=2)
+    compute = peer_setup.profile_stages(parts, TINY, repeats=2)
     assert set(compute) == {(0, "F"), (0, "B"), (1, "F"), (1, "B")} and all(v > 0 for v in compute.values())
-    for runner in peer.RAYSPEC_RUNNERS:
-        assert peer.ideal_step_s(runner, TINY.microbatches, compute) > 0
+    for runner in peer_setup.RAYSPEC_RUNNERS:
+        assert peer_setup.ideal_step_s(runner, TINY.microbatches, compute) > 0
 
 
 def test_torch_sleep_pipeline_efficiency():
@@ -108,9 +108,9 @@ def test_torch_sleep_pipeline_efficiency():
 
 def test_torch_peer_trains():
     """Both torch schedules give finite losses, a positive throughput, and restart bit-exactly after a reset."""
-    parts, _ = peer.build_parts(TINY)
-    with peer.TorchPeer(parts, TINY, timeout_s=120) as tp:
-        for name in peer.TORCH_SCHEDULES:
+    parts, _ = peer_setup.build_parts(TINY)
+    with torch_peer.TorchPeer(parts, TINY, timeout_s=120) as tp:
+        for name in peer_setup.TORCH_SCHEDULES:
             seconds, losses = tp.steps(name, 2)
             assert seconds > 0 and len(losses) == 2 and all(math.isfinite(v) for v in losses)
             assert TINY.batch * 2 / seconds > 0
@@ -123,8 +123,8 @@ def test_torch_peer_trains():
 @pytest.mark.slow
 def test_rayspec_vs_torch_compare(ray_session):
     """rayspec gpipe trains to torch GPipe's losses; spectrain gives finite losses; both a positive throughput."""
-    parts, _ = peer.build_parts(TINY)
-    with peer.TorchPeer(parts, TINY, timeout_s=120) as tp:
+    parts, _ = peer_setup.build_parts(TINY)
+    with torch_peer.TorchPeer(parts, TINY, timeout_s=120) as tp:
         gp = peer.compare(parts, TINY, tp, "gpipe", "object_store", steps=2, warmup=1, repeats=1, cpus_per_stage=0.5)
         sp = peer.compare(parts, TINY, tp, "spectrain", "object_store", steps=2, warmup=1, repeats=1,
                           cpus_per_stage=0.5)
@@ -135,7 +135,7 @@ def test_rayspec_vs_torch_compare(ray_session):
         assert row["rayspec_samples_per_s"] > 0 and row["torch_samples_per_s"] > 0 and row["ratio"] > 0
         assert len(row["rayspec_losses"]) == len(row["torch_losses"]) == 3
         assert all(v > 0 for v in row["rayspec_busy_ms"].values())
-    assert peer.ray_hop_s("object_store", (4, 64), count=10) > 0
+    assert one_hop.ray_hop_s("object_store", (4, 64), count=10) > 0
 
 
 @pytest.mark.slow

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayspec.checkpoint import CheckpointStore, load_checkpoint
 from rayspec.config import ConfigError, from_mapping
-from rayspec.stage import Stage
-from rayspec.trainer import train
+from rayspec.core.stage import Stage
+from rayspec.training import train
+from rayspec.training.checkpoint import CheckpointStore, load_checkpoint
 
 QUIET = {"echo": lambda _: None}
 

@@ -30,7 +30,7 @@ import yaml
 
 from rayspec.config import from_mapping
 from rayspec.models import build_model
-from rayspec.trainer import prepare
+from rayspec.training.prepare import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "examples" / "cluster"

@@ -12,13 +12,14 @@ import torch
 from test_train import compose_config
 
 from rayspec.config import from_mapping
+from rayspec.core.schedule import build_schedule
+from rayspec.core.stage import make_stages as stages_for
 from rayspec.data import build_data
-from rayspec.executor import LocalExecutor
+from rayspec.exec import LocalExecutor
 from rayspec.models import build_model
 from rayspec.partition import split, uniform
-from rayspec.schedule import build_schedule
-from rayspec.stage import METHOD_POLICY, Stage
-from rayspec.trainer import prepare, train
+from rayspec.training import train
+from rayspec.training.prepare import prepare
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives next to tests/
 from benchmarks.communication import block_bytes, boundaries, dp_bytes, mp_total  # noqa: E402
@@ -57,8 +58,7 @@ def expected_per_stage(cuts, n):
 
 
 def make_stages(model, n, method):
-    return [Stage(p, k, n, policy=METHOD_POLICY[method], lr=0.01, momentum=0.9)
-            for k, p in enumerate(split(copy.deepcopy(model), uniform(len(model), n)))]
+    return stages_for(split(copy.deepcopy(model), uniform(len(model), n)), method, lr=0.01, momentum=0.9)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -83,7 +83,7 @@ def test_stage_counters_equal_the_analytic_volume(name, n):
 
 def test_ray_transport_counts_the_same_bytes(ray_session):
     """Through RayExecutor's stage actors (spectrain), the counters equal the analytic volume too."""
-    from rayspec.ray_executor import RayExecutor
+    from rayspec.exec.ray import RayExecutor
 
     model, _info, batches = workload("transformer")
     n = 2

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.peer import flushed_1f1b
-from rayspec.compiled import plan_chunks
-from rayspec.schedule import Action, Schedule, ScheduleError, build_schedule
+from benchmarks.peer_setup import flushed_1f1b
+from rayspec.core.schedule import Action, Schedule, ScheduleError, build_schedule
+from rayspec.exec.ray.compiled_plan import plan_chunks
 
 
 def replay(plan, stages):
@@ -84,15 +84,15 @@ def test_a_schedule_without_one_shape_is_refused():
 
 
 def test_channel_values_round_trip_as_private_copies():
-    """What an op sends (``_wire``) comes back (``_own``) equal, same dtype, and not sharing memory."""
-    from rayspec.compiled import _own, _wire
+    """What an op sends (``to_wire``) comes back (``own``) equal, same dtype, and not sharing memory."""
+    from rayspec.exec.ray.wire import own, to_wire
 
     x = (torch.randn(3, 4), torch.arange(5), torch.ones(2, dtype=torch.bfloat16))
-    wired = _wire(x)
+    wired = to_wire(x)
     assert isinstance(wired[0], np.ndarray) and isinstance(wired[1], np.ndarray)
     assert isinstance(wired[2], torch.Tensor)  # numpy has no bfloat16: sent as a tensor
-    back = _own(wired)
+    back = own(wired)
     for a, b in zip(x, back):
         assert a.dtype == b.dtype and torch.equal(a, b)
         assert a.data_ptr() != b.data_ptr()
-    assert _wire(None) is None and _own(None) is None
+    assert to_wire(None) is None and own(None) is None

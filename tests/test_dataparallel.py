@@ -12,9 +12,10 @@ from conftest import assert_same_weights
 from test_train import compose_config
 
 from rayspec.config import ConfigError, from_mapping
+from rayspec.core.optim import LRSchedule
 from rayspec.data.loader import train_batches
-from rayspec.optim import LRSchedule
-from rayspec.trainer import prepare, train
+from rayspec.training import train
+from rayspec.training.prepare import prepare
 
 TINY = ("pipeline.method=dataparallel", "model=mlp", "model.size=tiny")
 
@@ -86,7 +87,7 @@ def assert_like_sgd(run_dir, config) -> None:
 
 
 def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_session):
-    """Through ``rayspec.trainer.train``: SGD's weights, the §4 files, live records to the callbacks, the loss falls."""
+    """Through ``rayspec.training.train``: SGD's weights, the §4 files, live records to the callbacks, the loss falls."""
 
     class Recorder:
         def __init__(self):

@@ -11,7 +11,7 @@ import torch
 
 from benchmarks._common import KillActor, actor_processes, stage_actor_processes
 from rayspec.config import from_mapping
-from rayspec.trainer import RunFailed, train
+from rayspec.training import RunFailed, train
 
 QUIET = {"echo": lambda _: None}
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.peer import flushed_1f1b
-from rayspec.p2p import _DTYPES, _HEADER_BYTES, _Buffers, _decode, _encode, _header, _join, plan_p2p
-from rayspec.schedule import Action, Schedule, ScheduleError, build_schedule
+from benchmarks.peer_setup import flushed_1f1b
+from rayspec.core.schedule import Action, Schedule, ScheduleError, build_schedule
+from rayspec.exec.ray.p2p_plan import plan_p2p
+from rayspec.exec.ray.p2p_wire import HEADER_BYTES, Buffers, encode, pack, read_header, views
+from rayspec.exec.ray.wire import DTYPES
 
 CASES = [("1f1b", n, m, g) for n in (1, 2, 3, 4, 6) for m, g in ((1, 1), (5, 1), (23, 1), (24, 4))] + [
     ("gpipe", 4, 16, 4), ("gpipe", 3, 12, 12), ("gpipe", 2, 9, 3), ("vanilla", 4, 7, 1), ("vanilla", 1, 3, 1)]
@@ -82,7 +84,7 @@ def runs_without_deadlock(chunks, n) -> bool:
 @pytest.mark.parametrize("method", ["gpipe", "spectrain"])
 def test_chunks_replay_the_schedule_and_never_deadlock(name, n, m, group, width, method):
     schedule = build_schedule(name, n, m, group=group)
-    chunks = plan_p2p(schedule, method, "paper", width)
+    chunks = plan_p2p(schedule, schedule.differences(method, "paper"), width)
     assert replay(chunks, n) == [[(a.kind, a.microbatch, a.update) for a in acts] for acts in schedule.actions]
     peak = simulate(chunks, n)
     assert peak is not None
@@ -108,7 +110,7 @@ def test_chunks_replay_the_schedule_and_never_deadlock(name, n, m, group, width,
 
 def test_flushed_1f1b_and_every_chunk_has_work_for_every_stage():
     schedule = flushed_1f1b(2, 8, 5)
-    chunks = plan_p2p(schedule, "gpipe", "paper", 16)
+    chunks = plan_p2p(schedule, None, 16)
     assert len(chunks) == 3 and all(ops for per_stage in chunks for ops in per_stage)
     assert runs_without_deadlock(chunks, 2)
 
@@ -119,8 +121,8 @@ def test_a_schedule_that_needs_a_later_chunk_is_refused():
     acts1 = (Action(1, "F", 0), Action(1, "F", 1), Action(1, "B", 0, True), Action(1, "B", 1, True))
     schedule = Schedule("custom", 2, 2, 1, (acts0, acts1))
     with pytest.raises(ScheduleError, match="cannot run in chunks of 1"):
-        plan_p2p(schedule, "async", "paper", 1)
-    assert runs_without_deadlock(plan_p2p(schedule, "async", "paper", 2), 2)
+        plan_p2p(schedule, None, 1)
+    assert runs_without_deadlock(plan_p2p(schedule, None, 2), 2)
 
 
 VALUES = [
@@ -129,6 +131,10 @@ VALUES = [
     (torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool), None),
     (torch.randint(0, 9, (3, 7)), torch.randn(3, 7).bfloat16(), torch.empty(0, 4), torch.arange(3, dtype=torch.int8)),
 ]
+
+
+def decode(message):
+    return views(message, *read_header(message)[:2])
 
 
 def same(a, b) -> bool:
@@ -141,28 +147,28 @@ def same(a, b) -> bool:
 
 @pytest.mark.parametrize("value", VALUES)
 def test_messages_round_trip_whole_and_in_two_parts(value):
-    message = _encode(value)
+    message = encode(*pack(value))
     assert message.dtype == torch.uint8 and message.dim() == 1
-    assert same(_decode(message), value)
+    assert same(decode(message), value)
     # a larger receive buffer, as the receiver posts: the header says where the message ends
     padded = torch.cat([message, torch.full((1000,), 7, dtype=torch.uint8)])
-    assert same(_decode(padded), value)
-    header, payload = _header(value)  # what travels apart when the message is over the capacity
-    assert torch.equal(header, message[:_HEADER_BYTES])
+    assert same(decode(padded), value)
+    header, payload = pack(value)  # what travels apart when the message is over the capacity
+    assert torch.equal(header, message[:HEADER_BYTES])
     flat = value if isinstance(value, tuple) else (value,)
     assert [b.numel() for b in payload] == [t.numel() * t.element_size() for t in flat if t is not None]
-    got = _decode(padded)
+    got = decode(padded)
     for t in got if isinstance(got, tuple) else (got,):  # views into the message, no copy
         assert t is None or t.numel() == 0 or t.untyped_storage().data_ptr() == padded.data_ptr()
 
 
 def test_a_buffer_is_reused_only_when_nothing_refers_to_it():
-    pool = _Buffers(4096)
+    pool = Buffers(4096)
     ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     a = pool.take()
     first = ptr(a)
     assert ptr(pool.take()) != first  # `a` is held: another buffer
-    x = _decode(_join(*_header(torch.randn(4, 8)), a)).requires_grad_()
+    x = decode(encode(*pack(torch.randn(4, 8)), a)).requires_grad_()
     loss = (x * x).sum()  # autograd saves `x`, a view into the first buffer
     del a
     assert ptr(pool.take()) == ptr(pool.buffers[1])  # the second is free again; the first is still saved
@@ -174,19 +180,19 @@ def test_a_buffer_is_reused_only_when_nothing_refers_to_it():
 
 
 def test_without_torchs_use_count_every_message_gets_a_new_buffer(monkeypatch):
-    monkeypatch.setattr("rayspec.p2p._USE_COUNT", None)
-    pool = _Buffers(64)
+    monkeypatch.setattr("rayspec.exec.ray.p2p_wire.USE_COUNT", None)
+    pool = Buffers(64)
     a, b = pool.take(), pool.take()
     assert a.numel() == b.numel() == 64 and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
     assert pool.buffers == []
 
 
 def test_a_message_with_an_unsupported_tensor_is_a_clear_error():
-    assert torch.complex64 not in _DTYPES
+    assert torch.complex64 not in DTYPES
     with pytest.raises(TypeError, match="pipeline.transport=p2p sends CPU tensors"):
-        _encode(torch.zeros(2, dtype=torch.complex64))
+        pack(torch.zeros(2, dtype=torch.complex64))
     with pytest.raises(ValueError, match="use pipeline.transport=object_store"):
-        _encode(tuple(torch.zeros(1, 1, 1, 1, 1, 1) for _ in range(10)))
+        pack(tuple(torch.zeros(1, 1, 1, 1, 1, 1) for _ in range(10)))
 
 
 def test_messages_over_the_capacity_travel_in_parts_and_train_the_same(ray_session, tiny):
@@ -194,13 +200,14 @@ def test_messages_over_the_capacity_travel_in_parts_and_train_the_same(ray_sessi
     the tensor's bytes; the numbers stay the local executor's (whole messages: test_ray_executor)."""
     from conftest import assert_same_weights, make_stages, microbatches, run_local
 
-    from rayspec.p2p import P2PPipeline
-    from rayspec.ray_executor import RayExecutor
+    from rayspec.exec.ray import RayExecutor
+    from rayspec.exec.ray.p2p import P2PTransport
 
     model, data = tiny
     ex = RayExecutor(make_stages(model, "spectrain", 3), "spectrain", transport="p2p", cpus_per_stage=0.5, chunk=4)
     try:
-        ex._p2p = P2PPipeline(ex.actors, 4, capacity=0)  # the same gloo group, another receive size
+        ex.link = P2PTransport(4, capacity=0)  # the same gloo group, another receive size
+        ex.link.start(ex.actors)
         losses = ex.run(build_schedule("1f1b", 3, 12), iter(microbatches(data, 12, 32)))
         ref, ref_losses, _ = run_local(model, data, "spectrain", 3, updates=12)
         assert_same_weights(ex.state_dict(), ref.state_dict())

@@ -19,8 +19,8 @@ from rayspec.partition import (
     by_parameters,
     by_profile,
     check_balance,
+    choose_partition,
     min_max_split,
-    plan,
     profile_blocks,
     split,
     uniform,
@@ -108,7 +108,7 @@ def test_by_parameters_on_mlp(mlp):
         sums = [count_parameters(part) for part in split(model, balance)]
         assert sum(sums) == count_parameters(model)
         assert max(sums) == min(max(part_sums(per_block, c)) for c in compositions(len(model), k))
-        assert [r.parameters for r in plan(model, k, "parameters").rows] == sums
+        assert [r.parameters for r in choose_partition(model, k, "parameters").rows] == sums
 
 
 def test_by_parameters_with_parameterless_blocks():
@@ -191,19 +191,19 @@ def test_plan_table_one_row_per_stage(mlp):
     model, info = mlp
     x = torch.randn(8, *info.input_shape)
     for name in ("uniform", "parameters", "profile"):
-        p = plan(model, 3, name, sample_input=x, device="cpu")
+        p = choose_partition(model, 3, name, sample_input=x, device="cpu")
         lines = p.table().splitlines()
         assert len(lines) == 1 + 3 and lines[0].split()[:3] == ["stage", "blocks", "params"]
         assert [r.stage for r in p.rows] == [0, 1, 2] and sum(p.balance) == len(model)
         assert all(r.seconds > 0 for r in p.rows) and p.slowest_s == max(r.seconds for r in p.rows)
         assert p.rows[-1].output_bytes == 8 * info.num_classes * 4
         assert len(p.profiles) == len(model) and isinstance(p.profiles[0], BlockProfile)
-    bare = plan(model, 3, "parameters")
+    bare = choose_partition(model, 3, "parameters")
     assert bare.balance == by_parameters(model, 3)
     assert all(line.split()[-2:] == ["-", "-"] for line in bare.table().splitlines()[1:])
-    assert plan(model, 3).balance == uniform(len(model), 3)
-    assert "0-2" in plan(model, 3).table()
-    assert plan(model, 2, "profile", balance=[6, 1]).balance == [6, 1]  # balance wins, needs no sample
+    assert choose_partition(model, 3).balance == uniform(len(model), 3)
+    assert "0-2" in choose_partition(model, 3).table()
+    assert choose_partition(model, 2, "profile", balance=[6, 1]).balance == [6, 1]  # balance wins, needs no sample
 
 
 @pytest.mark.parametrize(
@@ -221,13 +221,13 @@ def test_plan_table_one_row_per_stage(mlp):
 def test_impossible_balances(mlp, stages, balance, needle):
     model, _ = mlp
     with pytest.raises(PartitionError) as err:
-        plan(model, stages, balance=balance)
+        choose_partition(model, stages, balance=balance)
     assert needle in str(err.value)
 
 
 def test_plan_rejects_unknown_partition_and_missing_sample(mlp):
     model, _ = mlp
     with pytest.raises(PartitionError, match="'fastest'.*uniform, parameters, profile"):
-        plan(model, 2, "fastest")
+        choose_partition(model, 2, "fastest")
     with pytest.raises(PartitionError, match="sample_input"):
-        plan(model, 2, "profile")
+        choose_partition(model, 2, "profile")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import run_local
 
-from rayspec.optim import SGD, LRSchedule
-from rayspec.predict import PredictionProbe, step_scale
+from rayspec.core.optim import SGD, LRSchedule
+from rayspec.core.predict import PredictionProbe, step_scale
 
 
 def _after_steps(lr: LRSchedule, momentum: float, s: int, grad_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,8 +6,9 @@ import pytest
 import torch
 from conftest import METHODS, assert_same_weights, make_stages, microbatches, plain_sgd, run_local
 
-from rayspec.ray_executor import RayExecutor
-from rayspec.schedule import METHOD_SCHEDULE, build_schedule
+from rayspec.core.methods import METHODS as REGISTRY
+from rayspec.core.schedule import build_schedule
+from rayspec.exec.ray import RayExecutor
 
 N = 4
 UPDATES = 16
@@ -29,7 +30,7 @@ def _run_ray(ex, model, data, method, variant="paper", backward="mixed", updates
     group = group or (4 if method == "gpipe" else 1)
     ex.load(make_stages(model, method, N, group=group, backward=backward, predictor=predictor))
     ex.method, ex.variant = method, variant
-    schedule = build_schedule(METHOD_SCHEDULE[method], N, updates * group, group=group)
+    schedule = build_schedule(REGISTRY[method].schedule, N, updates * group, group=group)
     seen = []
     losses = ex.run(schedule, iter(microbatches(data, updates, batch, group)), on_loss=lambda m, v: seen.append(m))
     assert sorted(seen) == list(range(updates * group))  # progress reports every micro-batch once
@@ -122,7 +123,7 @@ def test_a_stage_error_reaches_the_driver_and_the_actors_train_on(executor, tiny
 
 def test_default_gpus_follow_the_cluster_not_the_driver():
     from rayspec.config import ConfigError
-    from rayspec.ray_executor import default_gpus
+    from rayspec.exec.ray.cluster import default_gpus
 
     assert default_gpus(0.0, 4) == 0.0 and default_gpus(4.0, 4) == 1.0 and default_gpus(8.0, 2) == 1.0
     with pytest.raises(ConfigError, match="4 stages need one GPU each but the Ray cluster has 2"):
@@ -145,7 +146,7 @@ def test_a_stage_moved_to_cuda_trains_like_the_cpu_one(tiny):
 
 def test_stage_bundles_the_cluster_cannot_hold_are_a_clear_error(ray_session):
     from rayspec.config import ConfigError
-    from rayspec.ray_executor import reserve_stages
+    from rayspec.exec.ray.cluster import reserve_stages
 
     with pytest.raises(ConfigError, match=r"could not place 2 stage bundle\(s\) of \{'CPU': 5.0\} \(PACK\) in 1 s.*"
                                           r"lower pipeline.stages or pipeline.cpus_per_stage"):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rayspec.schedule import Action, Schedule, ScheduleError, build_schedule
+from rayspec.core.schedule import Action, Schedule, ScheduleError, build_schedule
 
 
 @pytest.mark.parametrize("name", ["vanilla", "gpipe", "1f1b"])

@@ -9,7 +9,7 @@ import torch
 from conftest import assert_same_weights, plain_sgd, run_local
 from torch.func import functional_call
 
-from rayspec.optim import SGD, LRSchedule
+from rayspec.core.optim import SGD, LRSchedule
 
 
 @pytest.mark.parametrize("momentum,weight_decay,dampening,nesterov", [
@@ -179,34 +179,34 @@ def test_mixed_gradients_backpropagate_the_backward_weights_through_the_forward_
 @pytest.mark.parametrize("method", ["spectrain", "pipedream"])
 def test_weight_swap_by_pointer_equals_swap_by_copy(tiny, monkeypatch, method):
     """Swapping storage memory by pointer and by copy train bit-identically (the copy is the fallback)."""
-    import rayspec.stage
+    import rayspec.core.swap
 
     model, data = tiny
     by_pointer = run_local(model, data, method, 4, updates=12)[0].state_dict()
-    monkeypatch.setattr(rayspec.stage, "SWAP_STORAGE", False)
+    monkeypatch.setattr(rayspec.core.swap, "SWAP_STORAGE", False)
     by_copy = run_local(model, data, method, 4, updates=12)[0].state_dict()
     for k in by_pointer:
         assert torch.equal(by_pointer[k], by_copy[k]), k
 
 
 def test_swap_copies_a_tensor_that_shares_its_storage():
-    from rayspec.stage import _swap_in, _swap_out
+    from rayspec.core.swap import swap_in, swap_out
 
     flat = torch.arange(6.0)
     view, other = flat[2:4], torch.tensor([10.0, 11.0])
-    held = _swap_in(view, other)
+    held = swap_in(view, other)
     assert held is not None and flat.tolist() == [0, 1, 10, 11, 4, 5] and other.tolist() == [10, 11]
-    _swap_out(view, other, held)
+    swap_out(view, other, held)
     assert flat.tolist() == [0, 1, 2, 3, 4, 5] and other.tolist() == [10, 11]
     own, new = torch.zeros(3), torch.ones(3)
     alias = own[:]  # a view, as autograd saves: it sees the swapped-in memory
-    assert _swap_in(own, new) is None and alias.tolist() == [1, 1, 1]
-    _swap_out(own, new, None)
+    assert swap_in(own, new) is None and alias.tolist() == [1, 1, 1]
+    swap_out(own, new, None)
     assert alias.tolist() == [0, 0, 0] and new.tolist() == [1, 1, 1]
 
 
 def test_a_non_finite_gradient_is_named_and_a_huge_finite_one_passes():
-    from rayspec.stage import Stage
+    from rayspec.core.stage import Stage
 
     stage = Stage(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), 0, 1, lr=0.0)
     for p in stage.params:
@@ -250,7 +250,7 @@ def test_spectrain_predicts_and_restores(tiny, variant):
 def test_spectrain_stays_closer_to_sequential_sgd_than_stale_1f1b(tiny):
     """At a small learning rate the prediction removes part of the staleness: the weights after 40 updates on
     4 stages lie nearer plain SGD's than async's do (measured: async 2.5e-4, paper 1.7e-4, consistent 1.2e-4)."""
-    from rayspec.study import relative_distance
+    from rayspec.cli.study import relative_distance
 
     model, data = tiny
     reference = plain_sgd(model, data, 40, 32, lr=0.01)

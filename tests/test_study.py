@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayspec.study import BASELINE, DEFAULT_METHODS, StudyError, available, load_study, main, plan_runs, run_study
+from rayspec.cli.study import BASELINE, DEFAULT_METHODS, StudyError, available, load_study, main, plan_runs, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [

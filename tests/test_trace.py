@@ -12,8 +12,9 @@ from test_train import compose_config
 from rayspec.config import from_mapping
 from rayspec.models import build_model
 from rayspec.partition import split, uniform
-from rayspec.trace import bubble_fraction, chrome_trace
-from rayspec.trainer import prepare, train
+from rayspec.training import train
+from rayspec.training.prepare import prepare
+from rayspec.training.trace import bubble_fraction, chrome_trace
 
 BASE = ["model.size=tiny", "data.train_size=512", "data.val_size=64", "train.max_steps=6", "train.batch_size=16",
         "train.log_every=3", "pipeline.cpus_per_stage=0.5", "+trace=true"]

@@ -5,26 +5,24 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from rayspec.config import ConfigError, from_mapping
+from rayspec.config.compose import CONF as CONF_DIR
+from rayspec.config.compose import compose
 from rayspec.data import DataError
 from rayspec.models import ModelError, build_model
 from rayspec.partition import PartitionError
-from rayspec.trainer import prepare, train
+from rayspec.training import train
+from rayspec.training.prepare import prepare
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(CONF_DIR)
 
 
 def compose_config(*overrides: str):
-    with initialize_config_dir(CONF, version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
+    return compose(list(overrides))
 
 
 def test_quickstart_cli_writes_the_run_directory(tmp_path):
@@ -74,7 +72,7 @@ def test_local_and_ray_runs_agree(tmp_path, ray_session):
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k])
     assert a["final_train_loss"] == pytest.approx(b["final_train_loss"], rel=1e-5)
-    assert (a["transport"], b["transport"]) == ("auto", "p2p" if not torch.cuda.is_available() else "nccl")
+    assert (a["transport"], b["transport"]) == ("none", "p2p" if not torch.cuda.is_available() else "nccl")
 
 
 BAD = [
@@ -135,17 +133,15 @@ def test_bad_input_is_a_clear_error(overrides, error, message):
 def test_every_bad_input_fails_before_ray_starts(tmp_path):
     """The whole table through ``train()`` in one fresh process: each fails with its message and Ray never starts."""
     cases = [[*o, f"hydra.run.dir={tmp_path / str(i)}"] for i, (o, _, _) in enumerate(BAD)]
-    script = f"""
+    script = """
 import json, sys, ray
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from rayspec.config import from_mapping
-from rayspec.trainer import train
+from rayspec.config.compose import compose
+from rayspec.training import train
 out = []
 for i, overrides in enumerate(json.loads(sys.argv[1])):
     try:
-        with initialize_config_dir({CONF!r}, version_base="1.3"):
-            cfg = OmegaConf.to_container(compose("config", overrides=["model.size=tiny", *overrides[:-1]]), resolve=True)
+        cfg = compose(["model.size=tiny", *overrides[:-1]])
         train(from_mapping(cfg), overrides[-1].split("=", 1)[1], echo=lambda _: None)
         out.append(["none", "", ray.is_initialized()])
     except Exception as err:

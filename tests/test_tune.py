@@ -13,22 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rayspec.cli.sweep import SweepError, available, load_sweep, trial_overrides
+from rayspec.cli.tune import RESULTS, _Resources, _Setup, _tuner, param_space, parse_args, run_sweep
 from rayspec.config import from_mapping
-from rayspec.tune import (
-    RESULTS,
-    SweepError,
-    _Resources,
-    _Setup,
-    _tuner,
-    available,
-    compose,
-    load_sweep,
-    override_value,
-    param_space,
-    parse_args,
-    run_sweep,
-    trial_overrides,
-)
+from rayspec.config.compose import compose, override_value
 
 TINY = [
     "model=mlp", "model.size=tiny", "pipeline.executor=ray", "pipeline.stages=2", "pipeline.cpus_per_stage=0.4",
@@ -116,7 +104,7 @@ def test_two_trial_sweep_writes_results(tiny_sweep):
 
 
 def test_sweep_trials_log_to_wandb_offline(tiny_sweep):
-    from rayspec.loggers import offline_runs, read_offline_history
+    from rayspec.training.loggers import offline_runs, read_offline_history
 
     _, sweep, rows, _ = tiny_sweep
     assert len(rows) == 2

@@ -9,7 +9,7 @@ from test_train import compose_config
 from rayspec.config import from_mapping
 from rayspec.data import DATASETS
 from rayspec.models import MODELS
-from rayspec.trainer import train
+from rayspec.training import train
 
 IMAGE_MODELS = ["mlp", "vgg16", "resnet50", "resnet152", "densenet121", "googlenet", "inception_v4", "snn"]
 TEXT_MODELS = ["transformer", "residual_lstm"]
@@ -63,10 +63,10 @@ def test_text_pipelines_carry_tuples_with_gradients(model_name, transport, ray_s
     gradients: a 4-stage ``vanilla`` pipeline on Ray equals plain SGD on the unpartitioned model."""
     from conftest import make_stages, plain_sgd
 
+    from rayspec.core.schedule import build_schedule
     from rayspec.data import build_data
+    from rayspec.exec.ray import RayExecutor
     from rayspec.models import build_model
-    from rayspec.ray_executor import RayExecutor
-    from rayspec.schedule import build_schedule
 
     torch.manual_seed(0)
     data = build_data("synthetic_text", seed=0, vocab_size=200, seq_len=24, train_size=256, val_size=0)

@@ -1,0 +1,273 @@
+"""Study files (``rayspec/conf/study/NAME.yaml``): loading, validation before any training, and the plan of runs.
+
+See ``rayspec.cli.study`` for what a study trains and the notes on its baseline.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rayspec.cli.common import check_keys, find_settings, read_settings, settings_names
+from rayspec.config import Config, from_mapping
+from rayspec.config.compose import CONF, compose, merge_overrides, override_key
+from rayspec.core.methods import METHODS as REGISTRY
+from rayspec.errors import ConfigError
+from rayspec.training.prepare import prepare
+
+__all__ = ["STUDIES", "METHODS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
+           "find_study", "load_study", "run_config", "has_dropout", "plan_runs", "run_name", "with_overrides", "predicts",
+           "study_settings"]
+
+STUDIES = CONF / "study"
+METHODS: dict[str, list[str]] = {
+    "vanilla": ["pipeline.method=vanilla"],
+    "gpipe": ["pipeline.method=gpipe"],
+    "async": ["pipeline.method=async"],
+    "pipedream": ["pipeline.method=pipedream"],
+    "spectrain-paper": ["pipeline.method=spectrain", "pipeline.variant=paper"],
+    "spectrain-consistent": ["pipeline.method=spectrain", "pipeline.variant=consistent"],
+    "spectrain-paper-recompute": ["pipeline.method=spectrain", "pipeline.variant=paper", "pipeline.backward=recompute"],
+    "spectrain-consistent-recompute": ["pipeline.method=spectrain", "pipeline.variant=consistent",
+                                       "pipeline.backward=recompute"],
+    **{f"spectrain-{variant}-{predictor}": ["pipeline.method=spectrain", f"pipeline.variant={variant}",
+                                            f"pipeline.predictor={predictor}"]
+       for variant in ("paper", "consistent") for predictor in ("momentum", "adaptive")},
+}
+"""Method labels a study may name, and the training overrides each stands for."""
+DEFAULT_METHODS = ["async", "pipedream", "spectrain-paper", "spectrain-consistent", "gpipe"]
+BASELINE = "sequential"
+"""The label of the baseline runs: ``vanilla``, which is sequential SGD."""
+FILE_KEYS = ("name", "description", "overrides", "methods", "stages", "seeds", "output_dir", "threads")
+CLI_KEYS = ("study", "output_dir", "resume", "methods", "stages", "seeds", "executor", "threads")
+RUN_FILE = "run.json"
+TRAJECTORY_FILE = "trajectory.pt"
+FINISHED = ("ok", "diverged")
+OWNED = ("pipeline.method", "pipeline.variant", "pipeline.predictor", "pipeline.backward", "pipeline.stages", "seed")
+
+
+class StudyError(ValueError):
+    """A study file or option that cannot work; the message names the value and the fix."""
+
+
+@dataclass
+class Study:
+    """A validated study: one workload, the methods, stage counts and seeds, and where results go."""
+
+    name: str
+    overrides: list[str]
+    """Training overrides of every run: ``pipeline.executor=local``, the file's, then the command line's."""
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
+    """Method labels (keys of ``METHODS``), each trained at every stage count; the baseline is added."""
+    stages: list[int] = field(default_factory=lambda: [2, 4])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    output_dir: str = ""
+    """Default ``outputs/studies/<name>``."""
+    description: str = ""
+    threads: int | None = 1
+    """Torch threads of the process that trains the runs (the local executor runs every stage in it); None:
+    torch's default. One thread is as fast for small stages and does not thrash a shared machine."""
+    per_stage_baseline: bool = False
+    """Set when the model has active dropout (see the module's note); then one baseline per stage count."""
+    base: dict[str, Any] = field(default_factory=dict, repr=False)
+    """``overrides`` composed with Hydra once; each run sets only the keys the study owns (``OWNED``) on it."""
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.output_dir or f"outputs/studies/{self.name}").expanduser().resolve()
+
+
+@dataclass
+class RunSpec:
+    """One training run of a study."""
+
+    label: str
+    stages: int
+    seed: int
+    reference: str | None
+    """The run name of the baseline this run is compared with (None for a baseline)."""
+    overrides: list[str] = field(default_factory=list)
+    """Every training override of the run: ``python -m rayspec.train`` with these trains the same run."""
+
+    @property
+    def name(self) -> str:
+        return run_name(self.label, self.stages, self.seed)
+
+    @property
+    def owned(self) -> list[str]:
+        """The overrides the study sets for this run: method, variant, backward, stage count and seed."""
+        return [*METHODS["vanilla" if self.label == BASELINE else self.label], f"pipeline.stages={self.stages}",
+                f"seed={self.seed}"]
+
+
+def predicts(label: str) -> bool:
+    """Whether the method label trains a method that predicts weights (SpecTrain)."""
+    method = next(o.split("=", 1)[1] for o in METHODS[label] if o.startswith("pipeline.method="))
+    return REGISTRY[method].predicts
+
+
+def run_name(label: str, stages: int, seed: int) -> str:
+    return f"{label}-n{stages}-seed{seed}"
+
+
+# --------------------------------------------------------------------------- loading and validation
+
+
+def available() -> list[str]:
+    """The study names in ``rayspec/conf/study/``."""
+    return settings_names(STUDIES)
+
+
+def find_study(ref: str) -> Path:
+    """The study file for ``study=REF``: a name in ``rayspec/conf/study/`` or a path to a ``.yaml`` file."""
+    return find_settings(ref, STUDIES, "study", StudyError, "studies")
+
+
+def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study:
+    """Read, check and compose a study before any training.
+
+    Args:
+        ref: a study name in ``rayspec/conf/study/`` or a path to a study file.
+        overrides: training overrides from the command line (after the file's ``overrides``).
+        **options: study settings that win over the file's (``methods``, ``stages``, ``seeds``, ``output_dir``,
+            ``executor``).
+
+    Raises:
+        StudyError: the file, a key, a method or a composed training config is invalid.
+    """
+    path = find_study(ref)
+    raw = read_settings(path, StudyError, "study settings (overrides, methods, stages, seeds, ...)")
+    executor = options.pop("executor", None)
+    raw.update({k: v for k, v in options.items() if v is not None})
+    check_keys(raw, FILE_KEYS, str(path), StudyError)
+    name = str(raw.get("name") or path.stem)
+    if not re.fullmatch(r"[\w.\-]+", name):
+        raise StudyError(f"name={name!r} must be a plain directory name (letters, digits, _ . -)")
+    base = raw.get("overrides") or []
+    if not isinstance(base, list) or not all(isinstance(o, str) and ("=" in o or o.startswith("~")) for o in base):
+        raise StudyError(f"{name}: overrides must be a list of Hydra override strings like train.max_steps=100")
+    cli = [*overrides, *([f"pipeline.executor={executor}"] if executor else [])]
+    study = Study(
+        name=name, overrides=merge_overrides(["pipeline.executor=local"], base, cli),
+        methods=_list(name, "methods", raw.get("methods", DEFAULT_METHODS), str),
+        stages=_list(name, "stages", raw.get("stages", [2, 4]), int),
+        seeds=_list(name, "seeds", raw.get("seeds", [0, 1, 2]), int),
+        output_dir=str(raw.get("output_dir") or ""), description=str(raw.get("description") or "").strip(),
+        threads=raw.get("threads", 1),
+    )
+    _check(study)
+    return study
+
+
+def _list(where: str, key: str, value: Any, kind: type) -> list[Any]:
+    value = [value] if isinstance(value, (str, int)) and not isinstance(value, bool) else value
+    if (not isinstance(value, list) or not value or len(set(value)) != len(value)
+            or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)):
+        example = "[async, spectrain-paper]" if kind is str else "[2, 4]"
+        raise StudyError(f"{where}: {key}={value!r} must be a non-empty list of distinct {kind.__name__}s, "
+                         f"e.g. {key}={example}")
+    return list(value)
+
+
+def _check(study: Study) -> None:
+    """Check the labels, numbers and every run's composed config; decide whether the baseline is per stage count."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    where = study.name
+    for label in study.methods:
+        if label not in METHODS:
+            close = difflib.get_close_matches(label, METHODS, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise StudyError(f"{where}: method {label!r} is unknown; {hint}choose from {', '.join(METHODS)}")
+    if study.threads is not None and (not isinstance(study.threads, int) or study.threads < 1):
+        raise StudyError(f"{where}: threads={study.threads!r} must be an integer >= 1 (or null for torch's default)")
+    if any(n < 1 for n in study.stages) or any(s < 0 for s in study.seeds):
+        raise StudyError(f"{where}: stages={study.stages} must be >= 1 and seeds={study.seeds} >= 0")
+    keyed = {override_key(o) for o in study.overrides}
+    for owned in OWNED:
+        if owned in keyed:
+            raise StudyError(f"{where}: the study sets {owned} for every run; give methods=, stages= or seeds= "
+                             f"instead of the override {owned}=...")
+    try:
+        study.base = compose(study.overrides)
+        base = from_mapping(study.base)
+        t = base.train
+        if not t.eval_every or t.eval_every >= t.max_steps:
+            raise StudyError(f"{where}: train.eval_every={t.eval_every} gives no evaluations before the end of "
+                             f"train.max_steps={t.max_steps}; the weight distance is measured at evaluations, so set "
+                             f"e.g. train.eval_every={max(1, t.max_steps // 16)} (about 16 evaluations)")
+        for label in [BASELINE, *study.methods]:
+            for n in sorted({1, *study.stages}) if label == BASELINE else study.stages:
+                run_config(study, RunSpec(label, n, study.seeds[0], None))
+        # the partition of the most stages (fewer stages cut the same blocks coarser) and the model's dropout
+        prepared = prepare(run_config(study, RunSpec(BASELINE, max(study.stages), study.seeds[0], None)))
+    except StudyError:
+        raise
+    except (HydraException, OmegaConfBaseException, ConfigError) as err:
+        raise StudyError(f"{where}: {err}") from err
+    except ValueError as err:  # the model, data or partition cannot take these settings
+        raise StudyError(f"{where}: {err}") from err
+    study.per_stage_baseline = has_dropout(prepared.model)
+
+
+def run_config(study: Study, spec: RunSpec) -> Config:
+    """The validated config of one run: the study's composed ``base`` with the run's owned keys set.
+
+    The owned keys are plain values (no config groups), so setting them on the composed mapping gives what
+    Hydra composes from ``spec.overrides``.
+    """
+    cfg = copy.deepcopy(study.base or compose(study.overrides))
+    for override in spec.owned:
+        key, _, value = override.partition("=")
+        *path, leaf = key.split(".")
+        node = cfg
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return from_mapping(cfg)
+
+
+def has_dropout(model: Any) -> bool:
+    """Whether training draws random numbers in ``model``: a dropout module, or attention or RNN dropout."""
+    from torch import nn
+    from torch.nn.modules.dropout import _DropoutNd
+
+    for m in model.modules():
+        if isinstance(m, _DropoutNd) and m.p > 0:
+            return True
+        if isinstance(m, (nn.MultiheadAttention, nn.RNNBase)) and m.dropout > 0:
+            return True
+    return False
+
+
+def plan_runs(study: Study) -> list[RunSpec]:
+    """Every run of the study in order: per seed the baseline(s), then each stage count's methods."""
+    runs: list[RunSpec] = []
+    for seed in study.seeds:
+        for n in study.stages if study.per_stage_baseline else [1]:
+            runs.append(RunSpec(BASELINE, n, seed, None))
+        for n in study.stages:
+            reference = run_name(BASELINE, n if study.per_stage_baseline else 1, seed)
+            runs += [RunSpec(label, n, seed, reference) for label in study.methods]
+    return [with_overrides(study, spec) for spec in runs]
+
+
+def with_overrides(study: Study, spec: RunSpec) -> RunSpec:
+    """``spec`` with its ``overrides`` set: the study's, then the keys the study owns for this run."""
+    spec.overrides = merge_overrides(study.overrides, spec.owned)
+    return spec
+
+
+def study_settings(study: Study) -> dict[str, Any]:
+    """The study's settings and the composed training config of its first run (for the report)."""
+    cfg = from_mapping(study.base or compose(study.overrides))
+    settings = {k: v for k, v in asdict(study).items() if k not in ("output_dir", "base")}
+    return {**settings, "config": asdict(cfg)}

@@ -1,0 +1,35 @@
+"""``python -m rayspec.train``: the Hydra entry point (``rayspec/conf/config.yaml``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from rayspec.cli.common import USER_ERRORS
+from rayspec.config import from_mapping
+from rayspec.config.compose import CONF
+
+__all__ = ["main"]
+
+log = logging.getLogger("rayspec")
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
+def main(cfg: DictConfig) -> None:
+    from rayspec.training import RunFailed, train
+    from rayspec.training.loggers import build_callbacks
+
+    try:
+        config = from_mapping(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+        run_dir = HydraConfig.get().runtime.output_dir
+        train(config, run_dir, echo=log.info, callbacks=build_callbacks(config, run_dir, echo=log.info))
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except (FloatingPointError, RunFailed) as err:  # diverged, or a failure beyond fault.max_restarts
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,133 @@
+"""A run's whole configuration: the typed sections, the free-form ``model``/``data``/``logger`` sections,
+and the checks that span sections; built from Hydra's composed config and validated before Ray starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayspec.config.checks import choice, integer
+from rayspec.config.sections import (
+    CheckpointConfig,
+    FaultConfig,
+    OptimConfig,
+    PipelineConfig,
+    RayConfig,
+    TrainConfig,
+)
+from rayspec.core.methods import METHODS
+from rayspec.errors import ConfigError
+
+__all__ = ["Config", "LOGGERS", "from_mapping", "merge", "defaults"]
+
+LOGGERS = ("none", "wandb")
+_SECTIONS = {"pipeline": PipelineConfig, "optim": OptimConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
+             "fault": FaultConfig, "ray": RayConfig}
+_GROUPS = ("model", "data", "logger")
+"""Free-form sections chosen as Hydra config groups (``rayspec/conf``): their keys belong to the model builder,
+the data set and the logger."""
+_SWITCHES = ("trace",)
+"""Settings a command line adds with ``+`` (``+trace=true``): not in Hydra's composed defaults."""
+
+
+@dataclass
+class Config:
+    model: dict[str, Any] = field(default_factory=lambda: {"name": "mlp", "size": "small"})
+    """``name`` (``rayspec.models``), ``size`` (``full``, ``small``, ``tiny``) and the builder's options."""
+    data: dict[str, Any] = field(default_factory=lambda: {"name": "synthetic_image"})
+    """``name`` (``rayspec.data``), ``root`` and the data set's options."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    logger: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
+    """``name`` (``none`` or ``wandb``) and the logger's options (``rayspec.training.loggers``)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    seed: int = 0
+    trace: bool = False
+    """Record every action's start and end; write ``trace.json`` (Chrome/Perfetto) and ``timeline.png``."""
+
+    def validate(self) -> Config:
+        """Check every value that needs no model or data; raise ``ConfigError`` naming the value and the fix."""
+        for name in _SECTIONS:
+            getattr(self, name).check()
+        p, t = self.pipeline, self.train
+        integer("seed", self.seed, 0, "use a non-negative integer seed")
+        choice("logger", (self.logger or {}).get("name", "none"), LOGGERS)
+        if not isinstance(self.trace, bool):
+            raise ConfigError(f"trace={self.trace!r} must be true or false, e.g. +trace=true")
+        if t.batch_size % p.group:
+            key = METHODS[p.method].group_setting
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} is not divisible by {key}={p.group}; each batch is split into "
+                f"equal micro-batches: pick a multiple of {key}"
+            )
+        if not METHODS[p.method].pipelined and t.batch_size % p.stages:
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} is not divisible by pipeline.stages={p.stages}; {p.method} "
+                "splits each batch into equal shards, one per worker: pick a multiple of pipeline.stages"
+            )
+        if not isinstance(self.model.get("name"), str):
+            raise ConfigError("model.name must be set, e.g. model=mlp")
+        if not isinstance(self.data.get("name"), str):
+            raise ConfigError("data.name must be set, e.g. data=synthetic_image")
+        return self
+
+
+def defaults() -> dict[str, Any]:
+    """The typed sections' defaults and the top-level settings, as Hydra's ``rayspec`` config-store entry
+    (the free-form sections come from their config groups, the switches from ``+key=value``)."""
+    values = dataclasses.asdict(Config())
+    return {k: v for k, v in values.items() if k not in _GROUPS + _SWITCHES}
+
+
+def _section(cls: type, name: str, values: Mapping[str, Any] | None) -> Any:
+    values = dict(values or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(name + '.' + k for k in unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**values)
+
+
+def merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top``'s values on top, nested mappings merged key by key."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def from_mapping(cfg: Mapping[str, Any]) -> Config:
+    """Build and validate a ``Config`` from a plain mapping (e.g. ``OmegaConf.to_container(cfg)``).
+
+    A ``debug`` section (the ``debug=...`` config group) is merged over everything else last, so a
+    smoke-run setting shrinks any experiment whatever order the groups were chosen in.
+    """
+    cfg = dict(cfg)
+    debug = cfg.pop("debug", None)
+    if debug:
+        if not isinstance(debug, Mapping):
+            raise ConfigError(f"debug={debug!r} must be a config section; choose one from rayspec/conf/debug/, "
+                              "e.g. debug=smoke")
+        cfg = merge(cfg, debug)
+    extra = sorted(set(cfg) - {f.name for f in dataclasses.fields(Config)} - {"hydra", "experiment"})
+    if extra:
+        raise ConfigError(f"unknown top-level key(s) {', '.join(extra)}")
+    pipeline = dict(cfg.get("pipeline") or {})
+    if pipeline.get("balance") is not None:
+        pipeline["balance"] = list(pipeline["balance"])
+    sections = {name: _section(cls, name, pipeline if name == "pipeline" else cfg.get(name))
+                for name, cls in _SECTIONS.items()}
+    config = Config(
+        model=dict(cfg.get("model") or {}),
+        data=dict(cfg.get("data") or {}),
+        logger=dict(cfg.get("logger") or {"name": "none"}),
+        seed=cfg.get("seed", 0),
+        trace=cfg.get("trace", False),
+        **sections,
+    )
+    return config.validate()

@@ -1,0 +1,220 @@
+"""The typed sections of a run's configuration, each with its defaults and its own ``check()``.
+
+These dataclasses are the one source of defaults: Hydra composes them as the ``rayspec`` entry of its
+config store (``rayspec.config.compose``), so ``rayspec/conf`` holds only groups with alternatives
+(models, data sets, loggers, debug presets, experiments). The choices come from the registries of the
+layers below (methods, transports, predictors, learning-rate schedules, partitions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayspec.config.checks import choice, integer, number, optional_integer
+from rayspec.core.methods import BACKWARDS, METHODS, VARIANTS
+from rayspec.core.optim import LR_SCHEDULES
+from rayspec.core.predict import PREDICTORS
+from rayspec.core.transports import TRANSPORTS, check_placement
+from rayspec.errors import ConfigError
+from rayspec.partition import PARTITIONS
+
+__all__ = ["PipelineConfig", "OptimConfig", "TrainConfig", "CheckpointConfig", "FaultConfig", "RayConfig",
+           "EXECUTORS", "PLACEMENTS"]
+
+EXECUTORS = ("local", "ray")
+PLACEMENTS = ("pack", "spread")
+
+
+@dataclass
+class PipelineConfig:
+    method: str = "spectrain"
+    """Training method (``rayspec.core.methods``; docs/design.md §2); ``dataparallel``: ``stages`` Ray Train DDP
+    workers, each the whole model."""
+    variant: str = "paper"
+    """SpecTrain's prediction target: ``paper`` (v1) or ``consistent`` (v2)."""
+    predictor: str = "linear"
+    """SpecTrain's predicted step (``rayspec.core.predict``): ``linear`` is the paper's ``W - s * lr * v``;
+    ``momentum``, ``adaptive``."""
+    probe: int = 4096
+    """Weight coordinates per stage on which SpecTrain's predictions are scored; 0: off."""
+    backward: str = "mixed"
+    """``mixed``: backward at the weights in storage with the forward's activations; ``recompute``: exact."""
+    stages: int = 4
+    """Pipeline stages N; at most the model's number of blocks."""
+    microbatches: int = 4
+    """``gpipe``: micro-batches each batch is split into (accumulated per update). Others: unused."""
+    accumulate: int = 1
+    """``vanilla``, ``async``, ``pipedream``, ``spectrain``: micro-batches each batch is split into, their
+    gradients summed into the batch's one update; the 1F1B pipeline streams on across batches (no flush), so
+    only micro-batches that straddle an update see a stale (or predicted) version. 1: a batch is one micro-batch."""
+    executor: str = "ray"
+    """``local``: all stages in this process (the reference); ``ray``: one actor per stage."""
+    transport: str = "auto"
+    """How activations move between stage actors (``rayspec.core.transports``; docs/design.md §4): ``auto`` =
+    nccl on GPUs, p2p on CPU; ``p2p``, ``object_store``, ``gloo``, ``nccl``, ``compiled``."""
+    partition: str = "uniform"
+    """How blocks are split among stages when ``balance`` is not given: ``uniform``, ``parameters``, ``profile``."""
+    balance: list[int] | None = None
+    """Explicit block counts per stage, e.g. ``[2,2,2,1]``; wins over ``partition``."""
+    cpus_per_stage: float | None = None
+    """CPUs reserved per stage actor; default: the cluster's CPUs shared among the stages (at most 1)."""
+    gpus_per_stage: float | None = None
+    """GPUs per stage actor; default 1 when the Ray cluster has GPUs, else 0 (a stage actor given a GPU computes on it)."""
+    max_in_flight: int | None = None
+    """``object_store``, ``gloo``, ``nccl``: bound on micro-batches in flight; default: twice what the schedule
+    needs. ``p2p`` and ``compiled`` keep what the schedule needs and the inputs of two chunks."""
+    placement: str = "pack"
+    """Placement-group strategy for the stage actors: ``pack`` or ``spread``."""
+
+    @property
+    def group(self) -> int:
+        """Micro-batches per optimizer update: ``microbatches`` for gpipe, ``accumulate`` for the others."""
+        method = METHODS.get(self.method)
+        return self.microbatches if method and method.group_setting == "pipeline.microbatches" else self.accumulate
+
+    def check(self) -> None:
+        choice("pipeline.method", self.method, METHODS)
+        choice("pipeline.variant", self.variant, VARIANTS)
+        choice("pipeline.predictor", self.predictor, PREDICTORS)
+        integer("pipeline.probe", self.probe, 0, "use 0 to turn the prediction probe off")
+        choice("pipeline.backward", self.backward, BACKWARDS)
+        choice("pipeline.executor", self.executor, EXECUTORS)
+        choice("pipeline.transport", self.transport, TRANSPORTS)
+        choice("pipeline.partition", self.partition, PARTITIONS)
+        choice("pipeline.placement", self.placement, PLACEMENTS)
+        integer("pipeline.stages", self.stages, 1, "use at least one stage")
+        integer("pipeline.microbatches", self.microbatches, 1, "split each batch into at least one micro-batch")
+        integer("pipeline.accumulate", self.accumulate, 1, "use 1 for one micro-batch per update")
+        optional_integer("pipeline.max_in_flight", self.max_in_flight, 1, "use null for the default")
+        method = METHODS[self.method]
+        if self.accumulate > 1 and method.group_setting != "pipeline.accumulate":
+            fix = f"set {method.group_setting} instead" if method.group_setting else "remove it"
+            raise ConfigError(f"pipeline.accumulate={self.accumulate} does not apply to pipeline.method={self.method}; {fix}")
+        if not method.pipelined and self.executor != "ray":
+            raise ConfigError(
+                f"pipeline.executor={self.executor} does not apply to pipeline.method={self.method} (it runs on Ray "
+                "Train); use pipeline.executor=ray, or pipeline.method=vanilla for the single-process reference"
+            )
+        if method.pipelined and self.balance is not None and len(self.balance) != self.stages:
+            raise ConfigError(
+                f"pipeline.balance={self.balance} has {len(self.balance)} entries but pipeline.stages={self.stages}; "
+                "give one block count per stage"
+            )
+        for name in ("cpus_per_stage", "gpus_per_stage"):
+            v = getattr(self, name)
+            if v is not None and (not number(v) or v < 0 or (name == "cpus_per_stage" and v == 0)):
+                raise ConfigError(f"pipeline.{name}={v!r} must be a positive number (or null for the default)")
+        if self.gpus_per_stage is not None:
+            check_placement(self.transport, self.gpus_per_stage)
+        if self.transport == "nccl":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    "pipeline.transport=nccl needs GPUs but CUDA is not available; "
+                    "use pipeline.transport=auto (p2p on CPU) or gloo"
+                )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 0.01
+    """Base learning rate (> 0)."""
+    momentum: float = 0.9
+    """SGD momentum in [0, 1); SpecTrain's smoothed gradient is its buffer."""
+    weight_decay: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    schedule: str = "constant"
+    """Learning-rate schedule over updates, the same for every method and stage: ``constant``, ``poly``
+    (the paper's, power 2) or ``cosine``."""
+    warmup: int = 0
+    """Linear warm-up updates."""
+    power: float = 2.0
+    """Exponent of ``poly``."""
+    min_lr: float = 0.0
+    """Floor of ``poly`` and ``cosine``."""
+
+    def check(self) -> None:
+        choice("optim.schedule", self.schedule, LR_SCHEDULES)
+        integer("optim.warmup", self.warmup, 0, "use 0 for no warm-up")
+        if not number(self.lr) or self.lr <= 0:
+            raise ConfigError(f"optim.lr={self.lr!r} must be a positive number, e.g. optim.lr=0.05")
+        if not number(self.momentum) or not 0 <= self.momentum < 1:
+            raise ConfigError(f"optim.momentum={self.momentum!r} must be in [0, 1), e.g. optim.momentum=0.9")
+        if not number(self.weight_decay) or self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay={self.weight_decay!r} must be >= 0")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ConfigError("optim.nesterov=true needs optim.momentum > 0 and optim.dampening=0")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    """Optimizer updates to run (each consumes one batch)."""
+    batch_size: int = 64
+    """Samples per update (gpipe splits it into ``pipeline.microbatches``, the others into ``pipeline.accumulate``)."""
+    log_every: int = 25
+    """Updates between progress lines and metrics records."""
+    eval_every: int = 0
+    """Updates between evaluations on the validation split (0: only at the end); the pipeline drains there."""
+    eval_batch_size: int = 512
+    train_samples: int | None = None
+    """Use only the first this many training samples (a smoke run); None: all."""
+    val_samples: int | None = None
+    """Evaluate on only the first this many validation samples; None: all."""
+
+    def check(self) -> None:
+        integer("train.max_steps", self.max_steps, 1, "train for at least one update")
+        integer("train.batch_size", self.batch_size, 1, "use a positive batch size")
+        integer("train.log_every", self.log_every, 1, "log at least every update count >= 1")
+        integer("train.eval_every", self.eval_every, 0, "use 0 to evaluate only at the end")
+        integer("train.eval_batch_size", self.eval_batch_size, 1, "use a positive batch size")
+        for name in ("train_samples", "val_samples"):
+            optional_integer(f"train.{name}", getattr(self, name), 1, "use null for the whole split")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Updates between checkpoints (0: only at the end); the pipeline drains at each (docs/design.md §7)."""
+    keep: int = 3
+    """Newest checkpoints kept; older ones are deleted."""
+    dir: str | None = None
+    """Where checkpoints go; default ``RUN_DIR/checkpoints``."""
+    resume: str | None = None
+    """``auto`` (the newest checkpoint in ``dir``, if any), a checkpoint file or a run directory; null: start afresh."""
+
+    def check(self) -> None:
+        integer("checkpoint.every", self.every, 0, "use 0 to checkpoint only at the end")
+        integer("checkpoint.keep", self.keep, 1, "keep at least the newest checkpoint")
+        for name in ("dir", "resume"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(f"checkpoint.{name}={getattr(self, name)!r} must be a path (or null)")
+
+
+@dataclass
+class FaultConfig:
+    max_restarts: int = 0
+    """Times a run whose stage or driver actor died is restarted from its last checkpoint (Ray executor only)."""
+
+    def check(self) -> None:
+        integer("fault.max_restarts", self.max_restarts, 0, "use 0 to stop at the first failure")
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None
+    """null: start a local Ray; ``auto`` or ``ray://...`` to join a cluster."""
+    num_cpus: int | None = None
+    """CPUs of the local Ray that rayspec starts (null: the machine's)."""
+    log_to_driver: bool = True
+    """Print the actors' logs in this process."""
+
+    def check(self) -> None:
+        if self.address and self.num_cpus is not None:
+            raise ConfigError(
+                f"ray.num_cpus={self.num_cpus} applies only when rayspec starts Ray itself; remove it when "
+                f"joining the cluster at ray.address={self.address} (the cluster's nodes set their CPUs)"
+            )
+        optional_integer("ray.num_cpus", self.num_cpus, 1, "use null for the machine's CPUs")

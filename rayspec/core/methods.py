@@ -1,0 +1,70 @@
+"""The training methods a user can pick (``pipeline.method``): the one place that knows what each is.
+
+A method is a schedule and a staleness policy (docs/design.md §2). Everything else asks this
+registry: the config for the choices, the trainer for the schedule and whether there is a
+pipeline at all, the stage for its policy, the schedule for whether SpecTrain's version
+differences apply. Nothing here imports torch or Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Method", "METHODS", "POLICIES", "VARIANTS", "BACKWARDS", "method"]
+
+POLICIES = ("none", "stash", "predict")
+"""What a stage does about staleness: nothing, PipeDream's weight stashing, or SpecTrain's prediction."""
+VARIANTS = ("paper", "consistent")
+"""SpecTrain's prediction targets (the authors' v1 and v2; docs/design.md §2)."""
+BACKWARDS = ("mixed", "recompute")
+"""How a backward at other weights than its forward runs (docs/design.md §2, mixed backward)."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """One training method.
+
+    Attributes:
+        name: what ``pipeline.method`` names.
+        schedule: the pipeline schedule (``rayspec.core.schedule.SCHEDULES``); None without a pipeline.
+        policy: the stages' staleness policy, one of ``POLICIES``.
+        group_setting: the setting that gives the micro-batches per update; None: one per update.
+        summary: one line for ``--help`` texts and the README.
+    """
+
+    name: str
+    schedule: str | None
+    policy: str
+    group_setting: str | None
+    summary: str
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the method runs a pipeline of stages (``dataparallel`` runs whole-model replicas)."""
+        return self.schedule is not None
+
+    @property
+    def predicts(self) -> bool:
+        """Whether stages predict weights ahead (SpecTrain): version differences and the prediction probe apply."""
+        return self.policy == "predict"
+
+
+_ALL = (
+    Method("dataparallel", None, "none", None,
+           "Ray Train DDP workers, each the whole model and 1/N of every batch"),
+    Method("vanilla", "vanilla", "none", "pipeline.accumulate", "one micro-batch through all stages at a time"),
+    Method("gpipe", "gpipe", "none", "pipeline.microbatches", "fill-drain, an update per group of micro-batches"),
+    Method("async", "1f1b", "none", "pipeline.accumulate", "1F1B, no staleness mitigation"),
+    Method("pipedream", "1f1b", "stash", "pipeline.accumulate", "1F1B with weight stashing"),
+    Method("spectrain", "1f1b", "predict", "pipeline.accumulate", "1F1B with SpecTrain weight prediction"),
+)
+METHODS: dict[str, Method] = {m.name: m for m in _ALL}
+"""Every method by name, in the order the README lists them."""
+
+
+def method(name: str) -> Method:
+    """The method called ``name``; ``KeyError`` naming the choices for an unknown one."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise KeyError(f"pipeline.method={name!r} is unknown; choose one of {', '.join(METHODS)}") from None

@@ -1,0 +1,194 @@
+"""SpecTrain's weight predictors, and the probe that measures how well a prediction lands.
+
+A stage ``s`` versions behind its target predicts ``W(t+s) ≈ W(t) + alpha * v`` with the smoothed
+gradient ``v`` (the momentum buffer). The predictors differ only in ``alpha``:
+
+* ``linear`` (the paper's): ``alpha = -s * lr(t)``. Exact when the velocity stays what it is for the
+  next ``s`` updates.
+* ``momentum``: ``alpha = -sum_{i=1..s} lr(t+i-1) * mu^i``: the next ``s`` updates with the gradients
+  still to come taken as zero-mean, so only the momentum already in ``v`` carries the weights (it
+  follows the learning-rate schedule and decays as the buffer does). With ``mu = 0`` it predicts nothing.
+* ``adaptive``: ``alpha = -c * s * lr(t)``: the paper's step damped by ``c`` in ``[0, 1]``, the
+  least-squares scale that the stage's own past predictions would have needed to land on the weights
+  it really reached (``best_scale`` below, averaged with exponential decay). It starts at 1.
+
+[Note: prediction quality] For every predicted action the probe keeps a fixed, seeded sample of the
+stage's weight coordinates, stale (the stored ``W(t)``) and predicted; when the stage reaches the
+target version ``t + s`` it reads the same coordinates of the weights it really holds, ``W*``, and adds
+
+    |W_pred - W*|^2,   |W_stale - W*|^2,   <W* - W_stale, D>,   |D|^2
+
+with ``D = -s * lr(t) * v``, the paper's predicted step. ``quality = sqrt(sum |W_pred - W*|^2 / sum
+|W_stale - W*|^2)``: 0 is a perfect prediction, 1 no better than not predicting, above 1 worse than the
+stale weights. ``best_scale = sum <W* - W_stale, D> / sum |D|^2`` is the multiple of the paper's step
+that would have minimised the distance: 1 when its length is right, below 1 when it overshoots, at or
+below 0 when it points the wrong way (measured against the paper's step whatever the predictor, so the
+figures compare across predictors). A target the run never reaches (training ends first) is not counted.
+
+The same sums over the *flipped* coordinates, those whose velocity has changed sign by the target
+version (they oscillate, and a linear extrapolation of them points the wrong way), give
+``quality_flipped``, ``quality_kept`` (the other coordinates) and ``flipped_share`` (their fraction).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rayspec.core.optim import LRSchedule
+
+__all__ = ["PREDICTORS", "PredictionProbe", "step_scale", "ratios", "window"]
+
+PREDICTORS = ("linear", "momentum", "adaptive")
+SUMS = ("pred_sq", "stale_sq", "cross", "step_sq", "pred_sq_flipped", "stale_sq_flipped", "flipped", "coords")
+DECAY = 0.95
+"""Per measurement, of the ``adaptive`` predictor's running sums (about the last 20 predictions)."""
+
+
+def step_scale(predictor: str, s: int, version: int, lr: LRSchedule, momentum: float, damping: float) -> float:
+    """``alpha`` of ``W + alpha * v`` for a prediction ``s`` versions ahead of ``version``."""
+    if predictor == "linear":
+        return -s * lr(version)
+    if predictor == "momentum":
+        return -sum(lr(version + i - 1) * momentum**i for i in range(1, s + 1))
+    if predictor == "adaptive":
+        return -damping * s * lr(version)
+    raise ValueError(f"predictor={predictor!r} is unknown; choose one of {', '.join(PREDICTORS)}")
+
+
+class PredictionProbe:
+    """Measures one stage's predictions on ``size`` seeded weight coordinates (see the module's note).
+
+    Args:
+        params: the stage's parameters, in order.
+        size: coordinates sampled (all of them if the stage has fewer).
+        seed: fixes the sample.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], size: int, seed: int) -> None:
+        numels = [p.numel() for p in params]
+        total = sum(numels)
+        gen = torch.Generator().manual_seed(seed)
+        chosen = torch.randperm(total, generator=gen)[: min(size, total)].sort().values
+        self.index: list[torch.Tensor] = []
+        start = 0
+        for p, n in zip(params, numels):
+            local = chosen[(chosen >= start) & (chosen < start + n)] - start
+            self.index.append(local.to(p.device))
+            start += n
+        self.size = int(chosen.numel())
+        self._used = {k for k, i in enumerate(self.index) if i.numel()}
+        self._held: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, weights, velocity) samples
+        self._zeros = {k: torch.zeros(len(i), dtype=params[k].dtype, device=params[k].device)
+                       for k, i in enumerate(self.index) if i.numel()}
+        self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.totals = {"actions": 0, **{k: 0 if k in ("flipped", "coords") else 0.0 for k in SUMS}}
+        self.recent = {"cross": 0.0, "step_sq": 0.0}  # exponentially decayed, for the adaptive predictor
+
+    def sample(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The sampled coordinates of parameter-shaped ``tensors`` (weights, velocity; None reads as zeros),
+        in float64 on the CPU."""
+        parts = [t.detach().reshape(-1).index_select(0, i) if t is not None else self._zeros[k]
+                 for k, (t, i) in enumerate(zip(tensors, self.index)) if k in self._used]
+        if not parts:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat([q.to(parts[0].dtype) for q in parts]).to("cpu", torch.float64)
+
+    def held(self, version: int, params: list[torch.nn.Parameter],
+             velocity: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples of the stored weights and the velocity at ``version``, taken once per version (both change
+        only when the version does); call it only while the storage holds the stored weights."""
+        if self._held is None or self._held[0] != version:
+            self._held = (version, self.sample(params), self.sample(velocity))
+        return self._held[1], self._held[2]
+
+    def forget(self) -> None:
+        """Drop the samples of the held version (the stage's weights were replaced)."""
+        self._held = None
+
+    def to(self, device: torch.device) -> None:
+        """Sample tensors on ``device`` (the stage moved there)."""
+        self.index = [i.to(device) for i in self.index]
+        self._zeros = {k: z.to(device) for k, z in self._zeros.items()}
+
+    def predicted(self, target: int, stale: torch.Tensor, predicted: torch.Tensor, paper_step: torch.Tensor) -> None:
+        """An action ran at ``predicted`` weights for version ``target``; ``stale`` was stored, and the paper's
+        predictor would have stepped by ``paper_step``."""
+        self.pending.setdefault(target, []).append((stale, predicted, paper_step))
+
+    def reached(self, version: int, params: list[torch.nn.Parameter], velocity: list[torch.Tensor | None]) -> None:
+        """The stage now holds ``version`` (weights ``params``, momentum ``velocity``): score the predictions
+        that aimed at it."""
+        waiting = self.pending.pop(version, None)
+        if not waiting:
+            return
+        true, v_now = self.held(version, params, velocity)
+        for stale, pred, step in waiting:
+            pred_sq, stale_sq = (pred - true).square(), (stale - true).square()
+            flipped = (step * v_now > 0).double()  # the step is -s*lr*v: same sign as v_now means v changed sign
+            values = torch.stack([pred_sq.sum(), stale_sq.sum(), ((true - stale) * step).sum(), step.square().sum(),
+                                  (pred_sq * flipped).sum(), (stale_sq * flipped).sum(), flipped.sum()]).tolist()
+            sums = dict(zip(SUMS[:6], values[:6]), flipped=int(values[6]), coords=int(true.numel()))
+            self.totals["actions"] += 1
+            for k, v in sums.items():
+                self.totals[k] += v
+            for k in self.recent:
+                self.recent[k] = DECAY * self.recent[k] + sums[k]
+
+    def damping(self) -> float:
+        """The ``adaptive`` predictor's factor: the recent best scale, clipped to ``[0, 1]``; 1 before any measurement."""
+        if self.recent["step_sq"] <= 0.0:
+            return 1.0
+        return min(1.0, max(0.0, self.recent["cross"] / self.recent["step_sq"]))
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, sums, and the ``quality`` and ``best_scale`` over every scored prediction so far."""
+        return {"coordinates": self.size, **self.totals, **ratios(self.totals), "damping": self.damping()}
+
+    def state(self) -> dict[str, Any]:
+        return {"coordinates": self.size,
+                "pending": {k: [tuple(t.clone() for t in entry) for entry in v] for k, v in self.pending.items()},
+                "totals": dict(self.totals), "recent": dict(self.recent)}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Continue from ``state()``; a state of another sample size (``pipeline.probe`` changed) starts afresh."""
+        self.forget()
+        if state.get("coordinates") != self.size:
+            return
+        self.pending = {int(k): [tuple(t.clone() for t in entry) for entry in v] for k, v in state["pending"].items()}
+        self.totals = {**self.totals, **state["totals"]}  # sums added since the state was written start at 0
+        self.recent = dict(state["recent"])
+
+
+def ratios(sums: dict[str, float]) -> dict[str, float | None]:
+    """``quality``, ``best_scale``, ``quality_flipped``, ``quality_kept`` and ``flipped_share`` of summed
+    measurements (None where nothing was scored)."""
+    def root(num: float, den: float) -> float | None:
+        return math.sqrt(max(num, 0.0) / den) if den > 0.0 else None
+
+    kept = (sums["pred_sq"] - sums["pred_sq_flipped"], sums["stale_sq"] - sums["stale_sq_flipped"])
+    return {"quality": root(sums["pred_sq"], sums["stale_sq"]),
+            "best_scale": sums["cross"] / sums["step_sq"] if sums["step_sq"] > 0.0 else None,
+            "quality_flipped": root(sums["pred_sq_flipped"], sums["stale_sq_flipped"]),
+            "quality_kept": root(*kept) if kept[1] > 1e-12 * sums["stale_sq"] else None,
+            "flipped_share": sums["flipped"] / sums["coords"] if sums["coords"] else None}
+
+
+def window(stats: list[dict[str, Any]], before: list[dict[str, Any]] | None) -> dict[str, float]:
+    """Per stage, ``quality`` and ``best_scale`` of the predictions scored since ``before`` (earlier
+    ``stage_stats()``), and the ``adaptive`` damping now, as flat metric keys (``prediction_quality/s0``, ...)."""
+    out: dict[str, float] = {}
+    for i, st in enumerate(stats):
+        now = st.get("prediction")
+        if now is None:
+            continue
+        prev = before[i].get("prediction") if before else None
+        sums = {k: now[k] - (prev[k] if prev else 0.0) for k in SUMS}
+        for key, value in ratios(sums).items():
+            if value is not None and key in ("quality", "best_scale", "quality_flipped"):
+                out[f"prediction_{key}/s{st['stage']}"] = value
+        out[f"prediction_damping/s{st['stage']}"] = now["damping"]
+    return out

@@ -1,0 +1,127 @@
+"""``StageActor``: a thin Ray actor around one ``Stage``, with the actor-side calls of every transport."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+
+from rayspec.core.activations import Activation
+from rayspec.core.stage import Stage
+from rayspec.exec.base import stage_stats
+from rayspec.exec.ray.compiled import CompiledEndpoint
+from rayspec.exec.ray.p2p import P2PEndpoint
+from rayspec.exec.ray.p2p_plan import P2POp
+from rayspec.exec.ray.p2p_wire import CAPACITY
+from rayspec.exec.ray.wire import as_tensors
+
+__all__ = ["StageActor"]
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(enable_tensor_transport=True)  # type: ignore[call-overload]
+class StageActor:
+    """Runs one stage's actions as the driver's transport asks; logs carry a ``[stage k]`` prefix.
+
+    ``forward``, ``backward`` and ``forward_backward`` are the object-store transport's calls and what every
+    transport's endpoint runs (``rayspec.exec.ray.transport.StageOps``); ``p2p_*`` and ``cg_*`` delegate to
+    the ``p2p`` and ``compiled`` endpoints.
+    """
+
+    def __init__(self, stage: Stage, threads: int = 1) -> None:
+        torch.set_num_threads(max(1, threads))
+        # Zero-copy transport is safe here: a stage sends only fresh activations and gradients that
+        # it never writes again, and copies what it receives before writing (``load``).
+        warnings.filterwarnings("ignore", message="Zero-copy tensor serialization is enabled")
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        self.p2p = P2PEndpoint(self)
+        self.cg = CompiledEndpoint(self)
+        self.load(stage)
+
+    def load(self, stage: Stage) -> None:
+        """Replace the stage (new weights, optimizer and policy) on this live actor."""
+        # Own writable copies: zero-copy deserialization hands out read-only shared memory,
+        # and a stage updates its weights in place.
+        stage = copy.deepcopy(stage)
+        if ray.get_gpu_ids():  # given a GPU: compute there, whatever the driver has (a CPU-only head, say)
+            stage.to("cuda")
+        self.stage = stage
+        self.losses: dict[int, float] = {}
+        log.debug("[stage %d] loaded", stage.index)
+
+    # ------------------------------------------------------------------ actions
+    def forward(self, m: int, x: Activation, labels: Any = None, s: int = 0) -> Activation:
+        out = self.stage.forward(m, as_tensors(x), as_tensors(labels), s)
+        if self.stage.is_last:
+            self.losses[m] = float(out)
+            return None
+        return _contiguous(out)
+
+    def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False) -> Activation:
+        return _contiguous(self.stage.backward(m, grad, s, update))
+
+    def forward_backward(self, m: int, x: Activation, labels: Any, s: int, s_b: int, update: bool) -> Activation:
+        """The last stage's ``F(m)`` and ``B(m)`` in one call: one actor call fewer on the critical path."""
+        self.losses[m] = float(self.stage.forward(m, as_tensors(x), as_tensors(labels), s))
+        return _contiguous(self.stage.backward(m, None, s_b, update))
+
+    def pop_losses(self) -> dict[int, float]:
+        out, self.losses = self.losses, {}
+        return out
+
+    # ------------------------------------------------------------------ p2p (rayspec.exec.ray.p2p)
+    def p2p_rendezvous(self, world: int, timeout_s: float) -> tuple[str, int]:
+        return self.p2p.rendezvous(world, timeout_s)
+
+    def p2p_join(self, address: str, port: int, rank: int, world: int, timeout_s: float,
+                 capacity: int = CAPACITY) -> None:
+        self.p2p.join(address, port, rank, world, timeout_s, capacity)
+
+    def p2p_run(self, ops: Sequence[P2POp], data: dict, last: bool) -> dict[int, float]:
+        return self.p2p.run(ops, data, last)
+
+    # ------------------------------------------------------------------ compiled (rayspec.exec.ray.compiled)
+    def cg_reset(self, host: bool = True) -> None:
+        """Before a new graph: no chunk done, no error, no carry."""
+        self.cg = CompiledEndpoint(self, host)
+
+    def cg_begin(self, chunk: tuple) -> Any:
+        return self.cg.begin(chunk)
+
+    def cg_op(self, i: int, kind: str, carry: bool, prev: Any, src: Any) -> Any:
+        return self.cg.op(i, kind, carry, prev, src)
+
+    def cg_end(self, prev: Any) -> tuple[BaseException | None, dict[int, float]]:
+        return self.cg.end(prev)
+
+    def cg_wait(self, count: int, timeout_s: float, begun: bool = False) -> int:
+        return self.cg.wait(count, timeout_s, begun)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.stage.state_dict()
+
+    def stats(self) -> dict:
+        return stage_stats(self.stage)
+
+    def timeline(self) -> list[tuple[str, int, float, float]]:
+        return self.stage.timeline
+
+    def node_id(self) -> str:
+        """The id of the Ray node this actor runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.stage.checkpoint_state()
+
+
+def _contiguous(x: Activation) -> Activation:
+    if isinstance(x, tuple):
+        return tuple(t if t is None else t.contiguous() for t in x)
+    return x if x is None else x.contiguous()

@@ -1,0 +1,88 @@
+"""Ray cluster helpers: start or join Ray, size and reserve the stage bundles, read what a failure means."""
+
+from __future__ import annotations
+
+import math
+
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from rayspec.config import RayConfig
+from rayspec.errors import ConfigError
+
+__all__ = ["ensure_ray", "stage_resources", "default_gpus", "reserve_stages", "bundle_resources", "actor_died",
+           "task_cause"]
+
+
+def ensure_ray(options: RayConfig) -> None:
+    """Start Ray with the config's ``ray`` section (``address``, ``num_cpus``, ``log_to_driver``) unless it runs."""
+    if not ray.is_initialized():
+        ray.init(address=options.address, num_cpus=options.num_cpus, include_dashboard=False,
+                 log_to_driver=options.log_to_driver)
+
+
+def stage_resources(cpus: float | None, gpus: float | None, stages: int, reserved_cpus: float = 0.0) -> tuple[float, float]:
+    """CPUs and GPUs of one stage actor (or worker): by default the cluster's CPUs, less ``reserved_cpus``,
+    shared among ``stages`` (at most 1 each), and one GPU each when the cluster has GPUs."""
+    if cpus is None:
+        total = ray.cluster_resources().get("CPU", 1.0) - reserved_cpus
+        cpus = max(0.01, math.floor(min(1.0, total / stages) * 100) / 100)
+    if gpus is None:  # the cluster's GPUs, not the driver's: a job's driver may run on a CPU-only head
+        gpus = default_gpus(ray.cluster_resources().get("GPU", 0.0), stages)
+    return float(cpus), float(gpus)
+
+
+def default_gpus(available: float, stages: int) -> float:
+    """GPUs per stage when ``pipeline.gpus_per_stage`` is null: one each on a cluster with GPUs, none without."""
+    if 0 < available < stages:
+        raise ConfigError(
+            f"{stages} stages need one GPU each but the Ray cluster has {available:g}; lower pipeline.stages, "
+            "or set pipeline.gpus_per_stage (0 for CPU stages)"
+        )
+    return 1.0 if available else 0.0
+
+
+def reserve_stages(stages: int, cpus: float, gpus: float, strategy: str = "PACK",
+                   timeout_s: float = 120.0) -> PlacementGroup:
+    """A placement group of one ``{CPU: cpus, GPU: gpus}`` bundle per stage, ready; raises ``ConfigError``
+    naming what is missing when the cluster cannot place it within ``timeout_s``."""
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    group = ray.util.placement_group([bundle] * stages, strategy=strategy)
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        have = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        raise ConfigError(
+            f"the Ray cluster could not place {stages} stage bundle(s) of {bundle} ({strategy}) in {timeout_s:g} s; "
+            f"it has {have or 'none'} free: lower pipeline.stages or pipeline.cpus_per_stage/gpus_per_stage, "
+            "or add nodes"
+        )
+    return group
+
+
+def bundle_resources(group: PlacementGroup, index: int) -> tuple[float, float]:
+    """The CPUs and GPUs that bundle ``index`` of ``group`` holds."""
+    spec = group.bundle_specs[index]
+    return float(spec.get("CPU", 0.0)), float(spec.get("GPU", 0.0))
+
+
+def actor_died(err: BaseException) -> bool:
+    """Whether ``err`` (or what it wraps) says a stage actor or an object it made was lost."""
+    from ray.exceptions import ObjectLostError, RayActorError
+
+    seen = 0
+    cause: BaseException | None = err
+    while cause is not None and seen < 10:
+        if isinstance(cause, (RayActorError, ObjectLostError)):
+            return True
+        cause, seen = getattr(cause, "cause", None) or cause.__cause__, seen + 1
+    return False
+
+
+def task_cause(err: BaseException) -> BaseException:
+    """The exception a stage raised inside its actor, unwrapped from Ray's ``RayTaskError``; else ``err``."""
+    from ray.exceptions import RayTaskError
+
+    while isinstance(err, RayTaskError) and isinstance(getattr(err, "cause", None), BaseException):
+        err = err.cause
+    return err

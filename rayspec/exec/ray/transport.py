@@ -1,0 +1,76 @@
+"""The interface every data path of ``RayExecutor`` implements (docs/design.md §4).
+
+A ``Transport`` runs one segment over live stage actors: it submits each stage's actions in the
+schedule's order, moves activations and gradients between the actors its own way, and hands the
+last stage's losses back as they become known. ``RayExecutor`` owns the actors (placement, start,
+replacement) and asks the transport only what it needs to know about them.
+
+Each transport's actor side is an *endpoint* that a ``StageActor`` holds; an endpoint calls the
+stage through ``StageOps``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
+
+import torch
+
+from rayspec.core.activations import Activation
+from rayspec.core.schedule import Schedule
+from rayspec.core.stage import Stage
+from rayspec.exec.base import MicrobatchFeed
+
+__all__ = ["Transport", "StageOps", "LossSink", "ZERO_COPY"]
+
+LossSink = Callable[[dict[int, float]], None]
+"""Takes losses of the last stage by micro-batch, in order, as a transport learns them."""
+ZERO_COPY = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+"""Stage actors' environment for paths through the object store: a stage sends only fresh activations and
+gradients that it never writes again, and copies what it receives before writing."""
+
+
+class StageOps(Protocol):
+    """What a transport's endpoint calls on its stage actor (``rayspec.exec.ray.actor.StageActor``)."""
+
+    stage: Stage
+
+    def forward(self, m: int, x: Activation, labels: torch.Tensor | None = None, s: int = 0) -> Activation: ...
+
+    def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False) -> Activation: ...
+
+    def forward_backward(self, m: int, x: Activation, labels: Any, s: int, s_b: int, update: bool) -> Activation: ...
+
+    def pop_losses(self) -> dict[int, float]: ...
+
+
+class Transport(ABC):
+    """One data path between the stage actors.
+
+    Attributes:
+        name: the ``pipeline.transport`` it implements.
+        replaces: which actors a recovery must replace after a stage actor died: only the ``dead`` ones, or
+            ``all`` (the survivors are left waiting on their neighbours); ``none``: this transport cannot
+            recover, the executor must be recreated.
+        env: environment variables of the stage actors (``None``: Ray's defaults).
+        broken: a failed segment left the actors unusable; the next ``load`` recreates them.
+    """
+
+    name: str
+    replaces: Literal["dead", "all", "none"] = "dead"
+    env: dict[str, str] | None = None
+    broken: bool = False
+
+    def start(self, actors: Sequence[Any]) -> None:
+        """Take the (new) live stage actors, stage 0 first, and set up what the path needs among them."""
+        self.actors = list(actors)
+        self.broken = False
+
+    def stop(self) -> None:  # noqa: B027 - optional hook: nothing to release by default
+        """Release what ``start`` set up (before the actors are replaced or killed)."""
+
+    @abstractmethod
+    def run(self, schedule: Schedule, s: dict | None, feed: MicrobatchFeed, on_losses: LossSink) -> None:
+        """Run one segment: ``s`` are SpecTrain's version differences (``None``: no prediction), ``feed`` gives
+        stage 0's inputs and the last stage's labels; raises what a stage raised."""

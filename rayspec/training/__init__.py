@@ -1,0 +1,7 @@
+"""A training run: prepare, the run loop and its restarts, the driver actor, data parallelism on Ray Train,
+checkpoints, progress, traces and loggers. ``train`` is the entry."""
+
+from rayspec.training.failures import RunFailed
+from rayspec.training.trainer import train
+
+__all__ = ["train", "RunFailed"]

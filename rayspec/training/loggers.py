@@ -1,0 +1,240 @@
+"""Experiment loggers for the driver: W&B (online, or offline when no API key is configured).
+
+Loggers are trainer callbacks (``on_start``, ``on_metrics``, ``on_end``; see ``rayspec.training.trainer.train``)
+and run on the driver only: stage actors never talk to W&B. ``build_callbacks`` turns the
+``logger`` section of the config into callbacks; ``read_offline_history`` reads the history an
+offline run wrote, without syncing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import netrc
+import os
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from rayspec.config import LOGGERS, Config
+from rayspec.errors import ConfigError
+
+__all__ = ["LOGGERS", "WandbLogger", "build_callbacks", "wandb_mode", "read_offline_history", "offline_runs"]
+
+log = logging.getLogger(__name__)
+
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+_WANDB_KEYS = {"name", "project", "entity", "group", "tags", "mode", "notes", "job_type"}
+
+
+def wandb_mode(requested: str | None = "auto") -> tuple[str, str]:
+    """The W&B mode to use and why: ``auto`` means online with an API key, offline without one.
+
+    ``WANDB_MODE`` in the environment wins over the config (W&B itself reads it too). An API key is
+    found in ``WANDB_API_KEY`` or in the netrc file (``NETRC`` or ``~/.netrc``) for the W&B host
+    (``WANDB_BASE_URL``, default ``api.wandb.ai``), where ``wandb login`` writes it.
+    """
+    env = os.environ.get("WANDB_MODE")
+    if env:
+        return env, f"WANDB_MODE={env} is set"
+    requested = requested or "auto"
+    if requested != "auto":
+        return requested, f"logger.mode={requested}"
+    if os.environ.get("WANDB_API_KEY"):
+        return "online", "WANDB_API_KEY is set"
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        path = os.environ.get("NETRC") or str(Path.home() / ".netrc")
+        if os.path.exists(path) and netrc.netrc(path).authenticators(host):
+            return "online", f"an API key for {host} is in {path}"
+    except (netrc.NetrcParseError, OSError):
+        pass
+    return "offline", "no W&B API key is configured"
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "/"))
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            out[key] = v
+    return out
+
+
+class WandbLogger:
+    """Logs a run to W&B from the driver: config, per-step and per-evaluation metrics, the summary.
+
+    Args:
+        run_dir: the run directory; W&B writes its run under ``<run_dir>/wandb/``.
+        project: the W&B project.
+        entity: the W&B entity (user or team), None for the default.
+        group: a group for related runs (a sweep's name).
+        name: the run's display name.
+        tags: run tags.
+        mode: ``auto`` (online with an API key, else offline), ``online``, ``offline`` or ``disabled``.
+        notes: free text stored with the run.
+        job_type: W&B job type, e.g. ``train`` or ``sweep-trial``.
+        echo: prints one console line (used once, to say where an offline run went).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        project: str = "rayspec",
+        entity: str | None = None,
+        group: str | None = None,
+        name: str | None = None,
+        tags: list[str] | tuple[str, ...] = (),
+        mode: str = "auto",
+        notes: str | None = None,
+        job_type: str = "train",
+        echo: Callable[[str], None] = print,
+    ) -> None:
+        if mode not in WANDB_MODES:
+            raise ConfigError(f"logger.mode={mode!r} is unknown; choose one of {', '.join(WANDB_MODES)}")
+        self.run_dir = Path(run_dir)
+        self.options: dict[str, Any] = {"project": project, "entity": entity, "group": group, "name": name, "tags": list(tags),
+                        "notes": notes, "job_type": job_type}
+        self.mode, self.reason = wandb_mode(mode)
+        self.echo = echo
+        self.run: Any = None
+
+    def on_start(self, config: Config) -> None:
+        import wandb
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.mode == "offline":
+            self.echo(f"W&B: {self.reason}; logging offline under {self.run_dir / 'wandb'} "
+                      f"(upload later with `wandb sync {self.run_dir / 'wandb'}/offline-run-*`)")
+        self.run = wandb.init(dir=str(self.run_dir), config=dataclasses.asdict(config), mode=self.mode,  # type: ignore[arg-type]
+                              reinit="finish_previous", **self.options)
+
+    def on_metrics(self, record: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        values = {k: v for k, v in record.items() if k != "step"}
+        self.run.log(values, step=int(record["step"]))
+
+    def on_end(self, summary: dict[str, Any] | None) -> None:
+        if self.run is None:
+            return
+        try:
+            if summary is not None:
+                flat = _flat({k: v for k, v in summary.items() if k not in ("config", "stage_stats")})
+                for st in summary.get("stage_stats", []):
+                    flat[f"stage{st['stage']}/busy_fraction"] = st.get("busy_fraction")
+                self.run.summary.update(flat)
+        finally:
+            self.run.finish(exit_code=0 if summary is not None else 1)
+            self.run = None
+
+
+def build_callbacks(
+    config: Config,
+    run_dir: str | os.PathLike,
+    group: str | None = None,
+    name: str | None = None,
+    echo: Callable[[str], None] = print,
+    job_type: str = "train",
+) -> list[Any]:
+    """The trainer callbacks the ``logger`` section asks for: none, or a ``WandbLogger``.
+
+    ``group`` and ``name`` win over ``logger.group`` and ``logger.name`` when given (a sweep groups
+    its trials). Raises ``ConfigError`` for an unknown logger or key.
+    """
+    opts = dict(config.logger or {"name": "none"})
+    kind = opts.pop("name", "none") or "none"
+    if kind not in LOGGERS:
+        raise ConfigError(f"logger={kind!r} is unknown; choose one of {', '.join(LOGGERS)}")
+    if kind == "none":
+        return []
+    unknown = sorted(set(opts) - _WANDB_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join('logger.' + k for k in unknown)}; "
+                          f"known: {', '.join(sorted(_WANDB_KEYS))}")
+    opts["name"] = name or opts.pop("run_name", None)
+    if group is not None:
+        opts["group"] = group
+    opts.setdefault("mode", "auto")
+    opts["mode"] = opts["mode"] or "auto"
+    opts["tags"] = list(opts.get("tags") or [])
+    return [WandbLogger(run_dir, echo=echo, job_type=job_type, **opts)]
+
+
+# -- reading an offline run ---------------------------------------------------------------------------
+# A W&B run file (``run-<id>.wandb``) is a 7-byte header (":W&B", magic 0xBEE1, version 0) followed by a
+# LevelDB-style log: 32 KiB blocks of records, each ``crc32c (4) | length (2, little endian) | type (1)``
+# then the payload; a protobuf ``Record`` may be split into FIRST/MIDDLE/LAST pieces across blocks.
+
+_BLOCK = 32768
+_HEADER = 7
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _records(path: Path) -> Iterator[bytes]:
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B run file (it does not start with ':W&B')")
+    pos, pending = _HEADER, b""
+    while pos + _HEADER <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _HEADER:  # the rest of a block too small for a header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
+        payload = data[pos + _HEADER : pos + _HEADER + length]
+        pos += _HEADER + length
+        if kind == 0 and length == 0:  # zero padding at the end of a block
+            pos += _BLOCK - pos % _BLOCK if pos % _BLOCK else 0
+            continue
+        if kind == _FULL:
+            yield payload
+        elif kind == _FIRST:
+            pending = payload
+        elif kind == _MIDDLE:
+            pending += payload
+        elif kind == _LAST:
+            yield pending + payload
+            pending = b""
+
+
+def offline_runs(run_dir: str | os.PathLike) -> list[Path]:
+    """The offline W&B run directories under ``<run_dir>/wandb/``, oldest first."""
+    return sorted((Path(run_dir) / "wandb").glob("offline-run-*"))
+
+
+def read_offline_history(run: str | os.PathLike, wait_s: float = 0.0) -> list[dict[str, Any]]:
+    """The history rows (``wandb.log`` calls, with ``_step``) of an offline run directory or run file.
+
+    W&B's writer process may still be flushing when ``finish()`` returns; ``wait_s`` waits up to that
+    many seconds for the run's exit record (the end of a finished run) before reading.
+    """
+    import time
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    path = Path(run)
+    if path.is_dir():
+        files = sorted(path.glob("run-*.wandb"))
+        if not files:
+            raise FileNotFoundError(f"no run-*.wandb file in {path}")
+        path = files[0]
+    deadline = time.monotonic() + wait_s
+    while True:
+        rows, finished = [], False
+        for payload in _records(path):
+            rec = pb.Record()  # type: ignore[attr-defined]
+            rec.ParseFromString(payload)
+            kind = rec.WhichOneof("record_type")
+            finished |= kind == "exit"
+            if kind == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in rec.history.item})
+        if finished or time.monotonic() >= deadline:
+            return rows
+        time.sleep(0.2)

@@ -1,0 +1,94 @@
+"""A run's progress as it streams in: per-update records, console lines, ``metrics.jsonl`` and the callbacks."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rayspec.config import Config
+from rayspec.training.prepare import lr_schedule
+
+__all__ = ["Progress", "notify", "duration", "keep_metrics"]
+
+
+def notify(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
+    """Call ``hook`` on every callback that has it (callbacks implement any of ``on_start``, ``on_metrics``,
+    ``on_weights``, ``on_restart``, ``on_end``; ``rayspec.training.trainer.train``)."""
+    for cb in callbacks:
+        fn = getattr(cb, hook, None)
+        if fn is not None:
+            fn(*args)
+
+
+def duration(seconds: float) -> str:
+    """``3725`` -> ``1:02:05``; ``65`` -> ``1:05``."""
+    m, sec = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+class Progress:
+    """Turns per-micro-batch losses into per-update records, console lines and ``metrics.jsonl``.
+
+    Args:
+        config: the run's settings.
+        metrics: the open ``metrics.jsonl``.
+        echo: prints one console line.
+        callbacks: get every record (``on_metrics``).
+    """
+
+    def __init__(self, config: Config, metrics: Any, echo: Callable[[str], None], callbacks: Sequence[Any] = ()) -> None:
+        self.c, self.metrics, self.echo, self.callbacks = config, metrics, echo, list(callbacks)
+        self.group = config.pipeline.group
+        self.lr = lr_schedule(config)
+        self.t0 = time.perf_counter()
+        self.updates = 0
+        self.window: list[float] = []
+        self.partial: list[float] = []
+        self.last_loss = float("nan")
+
+    def loss(self, _m: int, value: float) -> None:
+        """Take one micro-batch's loss (scaled by ``1/group`` as trained)."""
+        self.partial.append(value)
+        if len(self.partial) < self.group:
+            return
+        update_loss, self.partial = sum(self.partial), []  # losses are scaled by 1/group already
+        self.updates += 1
+        self.window.append(update_loss)
+        if self.updates % self.c.train.log_every == 0 or self.updates == self.c.train.max_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the record of the updates since the last one, and its console line."""
+        if not self.window:
+            return
+        elapsed = time.perf_counter() - self.t0
+        rate = self.updates * self.c.train.batch_size / max(elapsed, 1e-9)
+        self.last_loss = sum(self.window) / len(self.window)
+        eta = (self.c.train.max_steps - self.updates) * self.c.train.batch_size / max(rate, 1e-9)
+        rec = {"step": self.updates, "loss": self.last_loss, "lr": self.lr(self.updates - 1), "samples_per_s": rate,
+               "elapsed_s": elapsed}
+        self.write(rec)
+        total = self.c.train.max_steps
+        filled = int(20 * self.updates / total)
+        self.echo(f"step {self.updates:>6}/{total} [{'#' * filled}{'.' * (20 - filled)}] {self.updates / total:4.0%}  "
+                  f"loss {self.last_loss:.4f}  {rate:8.1f} samples/s  eta {duration(eta)}")
+        self.window = []
+
+    def write(self, rec: dict) -> None:
+        """One record into ``metrics.jsonl`` and to the callbacks."""
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+        notify(self.callbacks, "on_metrics", rec)
+
+
+def keep_metrics(path: Path, step: int) -> None:
+    """Keep only the records of ``metrics.jsonl`` up to update ``step`` (a resumed run rewrites what follows)."""
+    if step == 0 or not path.exists():
+        path.write_text("")
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))

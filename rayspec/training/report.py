@@ -1,0 +1,71 @@
+"""What a run reports at evaluations and at its end: validation figures, per-stage lines, ``summary.json``."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rayspec.data.loader import eval_batches
+from rayspec.partition import human_bytes
+from rayspec.training.prepare import Prepared
+
+__all__ = ["evaluate", "report_stages", "write_summary"]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, state: dict[str, torch.Tensor], dataset: Any, batch_size: int) -> dict[str, float]:
+    """Loss and accuracy of the merged weights on a split, on the driver."""
+    model = copy.deepcopy(model).eval()
+    model.load_state_dict(state)
+    total, loss, correct = 0, 0.0, 0
+    for x, y in eval_batches(dataset, batch_size):
+        out = model(x)
+        loss += nn.functional.cross_entropy(out, y, reduction="sum").item()
+        correct += (out.argmax(-1) == y).sum().item()
+        total += len(y)
+    return {"val_loss": loss / total, "val_accuracy": correct / total}
+
+
+def report_stages(stats: list[dict], seconds: float, echo: Callable[[str], None], who: str = "stage",
+                  sent: str = "sent") -> float:
+    """Add ``busy_fraction`` (busy share of ``seconds``) to each stage's stats, print one line per stage,
+    and return the mean busy fraction."""
+    fractions = []
+    for st in stats:
+        busy = st["busy_s"]["F"] + st["busy_s"]["B"]
+        per = busy / max(1, st["actions"]["F"] + st["actions"]["B"]) * 1e3
+        st["busy_fraction"] = busy / max(seconds, 1e-9)
+        fractions.append(st["busy_fraction"])
+        scored = st.get("prediction") or {}
+        quality = (f"  prediction quality {scored['quality']:.3f} (best scale {scored['best_scale']:.2f}, "
+                   f"{scored['actions']} scored)" if scored.get("quality") is not None else "")
+        echo(f"{who} {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}  "
+             f"{sent} {human_bytes(sum(st['sent_bytes'].values()))}{quality}")
+    return max(0.0, min(1.0, sum(fractions) / max(len(fractions), 1)))
+
+
+def write_summary(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], *, transport: str, updates: int,
+                  last_loss: float, evals: dict[str, float], train_s: float, wall_s: float, bubble: float,
+                  bytes_per_update: float, stats: list[dict], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's ``summary.json`` (docs/design.md §5), the same keys for every method; written, echoed and returned."""
+    c, p = prepared.config, prepared.config.pipeline
+    summary = {
+        "method": p.method, "variant": p.variant, "stages": p.stages, "model": c.model["name"],
+        "model_size": c.model.get("size", "full"), "dataset": c.data["name"], "executor": p.executor,
+        "transport": transport, "balance": prepared.balance, "updates": updates,
+        "final_train_loss": last_loss, "val_loss": evals.get("val_loss"), "val_accuracy": evals.get("val_accuracy"),
+        "samples_per_s": updates * c.train.batch_size / max(train_s, 1e-9), "train_s": train_s,
+        "wall_s": wall_s, "bubble_fraction": max(0.0, bubble), "bytes_per_update": bytes_per_update,
+        "seed": c.seed, **(extra or {}), "stage_stats": stats, "config": asdict(c),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    echo(f"done: {updates} updates, final loss {last_loss:.4f}, val_accuracy {summary['val_accuracy']}, "
+         f"{summary['samples_per_s']:.1f} samples/s; wrote {run_dir}")
+    return summary

@@ -1,0 +1,78 @@
+"""``train``: validate and prepare a run, then run it where its method and executor say (docs/design.md §3)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rayspec.config import Config
+from rayspec.core.methods import METHODS
+from rayspec.training.prepare import prepare
+from rayspec.training.progress import notify
+
+__all__ = ["train"]
+
+
+def train(
+    config: Config,
+    run_dir: str | os.PathLike,
+    echo: Callable[[str], None] = print,
+    callbacks: Sequence[Any] = (),
+    placement_group: Any = None,
+    bundle_offset: int = 0,
+) -> dict[str, Any]:
+    """Train as configured and write ``metrics.jsonl``, ``summary.json`` and ``model.pt`` into ``run_dir``.
+
+    Args:
+        config: a validated ``Config``.
+        run_dir: where the run's files go (created).
+        echo: prints one console line.
+        callbacks: objects with any of ``on_start(config)``, ``on_metrics(record)`` (every record written
+            to ``metrics.jsonl``: per-step ``loss`` records and per-evaluation ``val_*`` records) and
+            ``on_end(summary)``; ``on_end`` is also called, with ``None``, when training fails. Pipeline methods
+            also call ``on_weights(step, state_dict)`` at every evaluation with the merged weights evaluated,
+            and ``on_restart(index, record)`` when a restart after a failure is done (the record is
+            ``summary.json``'s ``restarts[index]``). With ``pipeline.executor=ray`` the run loop runs in a
+            driver actor and callbacks run here, on what it streams back (``rayspec.training.driver``).
+        placement_group: a Ray placement group to create the stage actors in (a Tune trial's), stage ``k``
+            in bundle ``bundle_offset + k``; by default the Ray executor creates its own.
+        bundle_offset: the first stage bundle in ``placement_group``.
+
+    Returns:
+        The run summary (also written to ``summary.json``).
+    """
+    prepared = prepare(config, run_dir)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    c, p = config, config.pipeline
+    n_blocks = ", ".join(str(b) for b in prepared.balance)
+    echo(f"rayspec: {p.method} ({p.variant}) on {p.stages} stages [{n_blocks} blocks], model={c.model['name']}"
+         f"/{c.model.get('size', 'full')}, data={c.data['name']}, executor={p.executor}"
+         + (f", {p.group} micro-batches per update" if p.group > 1 else ""))
+    if prepared.plan is not None:
+        echo(f"partition ({prepared.plan.partition}, times per micro-batch on this machine's CPU):")
+        for line in prepared.plan.table().splitlines():
+            echo("  " + line)
+    if prepared.resume is not None:
+        echo(f"resuming from {prepared.resume_path} (update {prepared.resume['step']})")
+    notify(callbacks, "on_start", config)
+    try:
+        if not METHODS[p.method].pipelined:  # whole-model replicas on Ray Train (rayspec.training.dataparallel)
+            from rayspec.training.dataparallel import run_dataparallel
+
+            summary = run_dataparallel(prepared, run_dir, echo, callbacks, placement_group)
+        elif p.executor == "ray":  # the run loop in a driver actor
+            from rayspec.training.driver import run_in_driver
+
+            summary = run_in_driver(prepared, run_dir, echo, callbacks, placement_group, bundle_offset)
+        else:
+            from rayspec.training.loop import run
+
+            summary = run(prepared, run_dir, echo, callbacks, placement_group, bundle_offset)
+    except BaseException:
+        notify(callbacks, "on_end", None)
+        raise
+    notify(callbacks, "on_end", summary)
+    return summary
