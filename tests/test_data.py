@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
 import io
 import itertools
 import os
+import pathlib
 import pickle
 import struct
 import sys
@@ -15,6 +18,7 @@ import torch
 
 from rayspec.data import DataError, DataInfo, build_data
 from rayspec.data import imdb as imdb_module
+from rayspec.data import mnist as mnist_module
 from rayspec.data.cifar10 import MEAN, STD
 from rayspec.data.loader import epoch_batches, train_batches
 from rayspec.data.text import tokenize
@@ -157,6 +161,172 @@ def test_cifar10_malformed_file(tmp_path):
         pickle.dump({"pixels": np.zeros((2, 3072), np.uint8)}, f)
     with pytest.raises(DataError, match="data_batch_3 lacks the keys data, labels"):
         build_data("cifar10", root=str(tmp_path))
+
+
+# --- MNIST and Fashion-MNIST ----------------------------------------------------------------------------
+
+IDX = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def write_idx(path, array):
+    """An IDX file of uint8 ``array`` (magic ``0x0000080N`` for N dimensions, big-endian sizes), gzipped for ``.gz``."""
+    header = struct.pack(">I", 0x0800 | array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def write_mnist(folder, gz=True, n_train=12, n_test=5, seed=0):
+    """The four IDX files in ``folder``; returns the raw ``(x_train, y_train, x_test, y_test)`` arrays."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    arrays = (
+        rng.integers(0, 256, (n_train, 28, 28)),
+        rng.integers(0, 10, n_train),
+        rng.integers(0, 256, (n_test, 28, 28)),
+        rng.integers(0, 10, n_test),
+    )
+    for name, array in zip(IDX, arrays):
+        write_idx(folder / (name + (".gz" if gz else "")), array)
+    return arrays
+
+
+def grey(x, mean, std):
+    return (torch.as_tensor(x, dtype=torch.float32).unsqueeze(-3) / 255 - mean) / std
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_fashion_mnist_reads_the_flat_layout(tmp_path, gz):
+    x_train, y_train, x_test, y_test = write_mnist(tmp_path, gz=gz)
+    data = build_data("fashion_mnist", root=str(tmp_path), augment=False)
+    assert data.info == DataInfo("image", 10, (1, 28, 28))
+    assert len(data.train) == 12 and len(data.val) == 5
+    x, y = data.train[3]
+    assert x.shape == (1, 28, 28) and x.dtype == torch.float32 and y.dtype == torch.int64 and int(y) == y_train[3]
+    torch.testing.assert_close(x, grey(x_train[3], 0.2860, 0.3530))
+    xv, yv = data.val.tensors
+    torch.testing.assert_close(xv, grey(x_test, 0.2860, 0.3530))
+    assert yv.tolist() == y_test.tolist()
+    xb, yb = next(epoch_batches(data.train, 4, seed=0, epoch=0))
+    assert xb.shape == (4, 1, 28, 28) and yb.shape == (4,) and yb.dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    ("name", "folder", "mean", "std"),
+    [("mnist", "MNIST", 0.1307, 0.3081), ("fashion_mnist", "FashionMNIST", 0.2860, 0.3530)],
+)
+def test_mnist_reads_torchvision_layout(tmp_path, name, folder, mean, std):
+    raw = tmp_path / folder / "raw"
+    write_mnist(raw, gz=True, seed=1)  # torchvision keeps the archives ...
+    x_train, _, x_test, y_test = write_mnist(raw, gz=False, seed=2)  # ... and extracts them: the plain files win
+    data = build_data(name, root=str(tmp_path), augment=False)
+    torch.testing.assert_close(data.train[0][0], grey(x_train[0], mean, std))
+    torch.testing.assert_close(data.val.tensors[0], grey(x_test, mean, std))
+    assert data.val.tensors[1].tolist() == y_test.tolist()
+
+
+def test_fashion_mnist_defaults_to_the_debian_folder(tmp_path, monkeypatch):
+    source = mnist_module.SOURCES["fashion_mnist"]
+    debian = tmp_path / "fashion-mnist"
+    monkeypatch.setitem(mnist_module.SOURCES, "fashion_mnist", dataclasses.replace(source, root=str(debian)))
+    with pytest.raises(DataError, match="needs data.root.*dataset-fashion-mnist"):
+        build_data("fashion_mnist")  # the folder does not exist
+    _, y_train, _, _ = write_mnist(debian)
+    assert build_data("fashion_mnist").train.labels.tolist() == y_train.tolist()
+    with pytest.raises(DataError, match="data=mnist needs data.root"):  # no default for MNIST
+        build_data("mnist")
+
+
+def test_mnist_missing_files_say_where_and_how(tmp_path):
+    write_mnist(tmp_path / "FashionMNIST" / "raw")
+    (tmp_path / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DataError) as e:
+        build_data("fashion_mnist", root=str(tmp_path))
+    message = str(e.value)
+    assert f"{tmp_path}/ holds none of them" in message
+    assert f"{tmp_path / 'FashionMNIST' / 'raw'}/ lacks t10k-labels-idx1-ubyte" in message
+    assert "dataset-fashion-mnist" in message and "data.root/FashionMNIST/raw/" in message
+    assert "data.download=true" in message
+    with pytest.raises(DataError, match="MNIST/raw/; or set data.download=true") as e:
+        build_data("mnist", root=str(tmp_path))
+    assert "dataset-fashion-mnist" not in str(e.value)
+
+
+def test_mnist_malformed_files(tmp_path):
+    write_mnist(tmp_path)
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"not gzip")
+    with pytest.raises(DataError, match="train-images-idx3-ubyte.gz is not an IDX file of images"):
+        build_data("mnist", root=str(tmp_path))
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", np.zeros((12, 32, 32)))
+    with pytest.raises(DataError, match=r"images of \(32, 32\) pixels"):
+        build_data("mnist", root=str(tmp_path))
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", np.zeros((11, 28, 28)))
+    with pytest.raises(DataError, match="train-images hold 11 images but train-labels 12 labels"):
+        build_data("mnist", root=str(tmp_path))
+
+
+def test_mnist_downloads_only_when_asked(tmp_path, monkeypatch):
+    import torchvision.datasets
+
+    calls = []
+
+    def download(self):  # stands in for the network: writes the extracted files where torchvision would
+        calls.append(self.raw_folder)
+        write_mnist(pathlib.Path(self.raw_folder), gz=False)
+
+    monkeypatch.setattr(torchvision.datasets.MNIST, "download", download)
+    with pytest.raises(DataError, match="not found"):
+        build_data("fashion_mnist", root=str(tmp_path))
+    assert calls == []
+    data = build_data("fashion_mnist", root=str(tmp_path), download=True)
+    assert calls == [str(tmp_path / "FashionMNIST" / "raw")] and len(data.train) == 12
+    build_data("fashion_mnist", root=str(tmp_path), download=True)
+    assert len(calls) == 1  # the files are there now
+
+
+def test_mnist_download_failure_is_a_data_error(tmp_path, monkeypatch):
+    import torchvision.datasets
+
+    def offline(self):
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+
+    monkeypatch.setattr(torchvision.datasets.MNIST, "download", offline)
+    with pytest.raises(DataError, match="could not download into .*MNIST/raw/ .*Error downloading"):
+        build_data("mnist", root=str(tmp_path), download=True)
+    with pytest.raises(DataError, match="data.download=true downloads them into"):
+        build_data("mnist", download=True)
+
+
+@pytest.mark.parametrize(("name", "flips"), [("mnist", False), ("fashion_mnist", True)])
+def test_mnist_augments_by_seed_with_flips_for_clothes_only(tmp_path, name, flips):
+    x_train, _, x_test, _ = write_mnist(tmp_path)
+    a = build_data(name, root=str(tmp_path), seed=3)
+    b = build_data(name, root=str(tmp_path), seed=3)
+    mean, std = a.train.mean, a.train.std
+    draws = [a.train[0][0] for _ in range(30)]
+    assert all(torch.equal(d, b.train[0][0]) for d in draws)  # the same seed, the same augmentation
+    assert len({d.numpy().tobytes() for d in draws}) > 5  # draw after draw differs
+    padded = torch.nn.functional.pad(torch.as_tensor(x_train[0], dtype=torch.uint8), (2, 2, 2, 2))
+    crops = [padded[i : i + 28, j : j + 28] for i in range(5) for j in range(5)]
+    plain = [grey(c, mean, std) for c in crops]
+    flipped = [grey(c.flip(-1), mean, std) for c in crops]
+    assert all(any(torch.equal(d, c) for c in plain + flipped) for d in draws)  # each draw: a crop with padding 2
+    some_flipped = any(not any(torch.equal(d, c) for c in plain) for d in draws)
+    assert some_flipped == flips
+    off = build_data(name, root=str(tmp_path), seed=3, flip=not flips)
+    assert any(not any(torch.equal(d, c) for c in plain) for d in (off.train[0][0] for _ in range(30))) == (not flips)
+    if flips:
+        share = sum(not any(torch.equal(d, c) for c in plain) for d in (a.train[0][0] for _ in range(400))) / 400
+        assert 0.43 < share < 0.57, share  # a fair coin (CIFAR-10's crop_flip flips 4 draws in 9)
+    torch.testing.assert_close(a.val.tensors[0], grey(x_test, mean, std))  # validation: normalization only
+
+
+def test_a_resumed_mnist_stream_is_the_tail_of_the_full_one(tmp_path):
+    write_mnist(tmp_path, n_train=14)
+    train = build_data("fashion_mnist", root=str(tmp_path), seed=1).train
+    full = list(itertools.islice(train_batches(train, 4, seed=2), 11))  # 3 batches per epoch: 3+ epochs
+    for start in (0, 2, 5, 9):
+        tail = list(itertools.islice(train_batches(train, 4, seed=2, start=start), 11 - start))
+        assert all(torch.equal(a, b) for x, y in zip(full[start:], tail) for a, b in zip(x, y)), start
 
 
 # --- IMDB -----------------------------------------------------------------------------------------------
