@@ -9,7 +9,7 @@ import logging
 import lzma
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,8 @@ __all__ = ["text_csv", "read_rows", "group_split"]
 
 log = logging.getLogger(__name__)
 
-_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+_OPENERS: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+"""Text-mode openers by file extension; any other extension is read with ``open``."""
 
 
 @register("text_csv")
@@ -168,7 +169,7 @@ def read_rows(path: str, columns: Sequence[str], encoding: str = "utf-8") -> lis
     """
     if not os.path.isfile(path):
         raise DataError(f"text_csv: {path} not found; set data.path to a CSV file (plain, .gz, .bz2 or .xz)")
-    opener = _OPENERS.get(os.path.splitext(path)[1], open)
+    opener: Callable[..., Any] = _OPENERS.get(os.path.splitext(path)[1], open)
     reader = None
     try:
         with opener(path, "rt", encoding=encoding, newline="") as f:
