@@ -545,6 +545,10 @@ def test_text_csv_errors(tmp_path):
     path = write_csv(tmp_path / "r.csv", rt_rows(movies=3))
     with pytest.raises(DataError, match="has no column label; its columns are category, text, movie_name"):
         build_data("text_csv", path=str(path))
+    with pytest.raises(DataError, match="the column text of .* holds 1 distinct label"):
+        build_data(
+            "text_csv", path=str(write_csv(tmp_path / "one.csv", [("a", "x")], ("text", "label"))), label_column="text"
+        )
     with pytest.raises(DataError, match="at least two distinct labels"):
         build_data("text_csv", path=str(path), label_column="category", labels=["fresh", "fresh"])
     with pytest.raises(DataError, match="val_fraction=1.0 must be between 0 and 1"):

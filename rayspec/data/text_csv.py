@@ -103,7 +103,13 @@ def text_csv(
     rows = read_rows(path, [c for c in columns if c is not None], encoding)
     texts = [r[text_column] for r in rows]
     values = [r[label_column] for r in rows]
-    labels = labels if labels is not None else sorted({v for v in values if v})
+    if labels is None:
+        labels = sorted({v for v in values if v})
+        if len(labels) < 2:
+            raise DataError(
+                f"text_csv: the column {label_column} of {path} holds {len(labels)} distinct label(s) "
+                f"({', '.join(labels) or 'none'}); a classifier needs two or more: check data.label_column"
+            )
     ids = {v: i for i, v in enumerate(labels)}
     keep = [i for i, v in enumerate(values) if v in ids]
     dropped = Counter(v for v in values if v not in ids)
@@ -134,8 +140,8 @@ def text_csv(
     for name, split in (("training", train_rows), ("validation", val_rows)):
         if not split:
             raise DataError(
-                f"text_csv: the {name} split of {path} is empty ({len(keep)} rows with a label in {', '.join(labels)}); "
-                f"check data.labels, data.split_column/data.split_values or data.val_fraction"
+                f"text_csv: the {name} split of {path} is empty ({len(keep)} rows have a label of "
+                f"{', '.join(labels)}); check data.labels, data.split_column/data.split_values or data.val_fraction"
             )
     vocab, x = encode_splits(
         {"train": [texts[i] for i in train_rows], "val": [texts[i] for i in val_rows]}, vocab_size, max_len
