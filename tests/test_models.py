@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from rayspec.models import MODELS, SIZES, ModelError, build_model, densenet, goo
 from rayspec.models._util import count_parameters
 
 IMAGE = DataInfo("image", 10, (3, 32, 32))
+GREY = DataInfo("image", 10, (1, 28, 28))  # MNIST, Fashion-MNIST
 TEXT = DataInfo("text", 10, (64,), vocab_size=1000)
 TEXT_MODELS = {"transformer", "residual_lstm"}
 TORCHVISION = {"vgg16": vgg, "resnet50": resnet, "resnet152": resnet, "densenet121": densenet, "googlenet": googlenet}
@@ -214,7 +216,7 @@ def test_snn_keeps_activations_normalized():
         ("snn", TEXT, {}, "takes image data"),
         ("transformer", IMAGE, {}, "takes text data"),
         ("residual_lstm", DataInfo("text", 10, (64,)), {}, "vocab_size"),
-        ("vgg16", DataInfo("image", 10, (3, 8, 8)), {}, "at least 32x32"),
+        ("vgg16", DataInfo("image", 10, (3, 8, 8)), {}, "at least 16x16"),
         ("googlenet", IMAGE, {"width": 3}, "takes no options"),
         ("transformer", TEXT, {"dropout": 1.5}, "dropout"),
     ],
@@ -248,3 +250,58 @@ def test_tiny_vgg16_learns_from_its_initialisation():
         losses.append(loss.item())
     best = min(sum(losses[j : j + 10]) / 10 for j in range(0, 80, 10))  # the old init: 2.29 (chance: 2.30)
     assert best < 0.75 * math.log(10), losses
+
+
+@pytest.mark.parametrize("size", ["small", "tiny"])
+@pytest.mark.parametrize("name", ["vgg16", "resnet50", "resnet152", "snn"])
+def test_cpu_size_image_models_take_28x28_grey_images(name, size):
+    torch.manual_seed(0)
+    model = build_model(name, GREY, size).train()
+    x, y = batch(GREY, 2), torch.tensor([3, 7])
+    out = model(x)
+    assert out.shape == (2, 10)
+    nn.functional.cross_entropy(out, y).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_vgg16_pools_round_up_only_for_sides_off_multiples_of_32():
+    def pools(info: DataInfo) -> list[bool]:
+        return [m.ceil_mode for m in vgg.torchvision_net("vgg16", "tiny", info).features if isinstance(m, nn.MaxPool2d)]
+
+    assert pools(IMAGE) == [False] * 5  # CIFAR-10: the layers as before, 32 -> 1 exactly
+    assert pools(DataInfo("image", 10, (3, 64, 64))) == [False] * 5
+    assert pools(GREY) == [True] * 5  # 28 -> 14 -> 7 -> 4 -> 2 -> 1
+    features = vgg.torchvision_net("vgg16", "tiny", GREY).features
+    assert features(batch(GREY, 1)).shape == (1, 64, 1, 1)
+
+
+@pytest.mark.parametrize("name", sorted(TEXT_MODELS))
+def test_text_models_train_on_csv_data(tmp_path, name):
+    import csv
+
+    from rayspec.data import build_data
+    from rayspec.data.loader import train_batches
+
+    words = ["good", "great", "fun", "bad", "dull", "boring", "plot", "film", "actors", "scene"]
+    g = torch.Generator().manual_seed(0)
+    with open(tmp_path / "reviews.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "label", "movie"])
+        for i in range(64):
+            label = i % 2
+            n = int(torch.randint(3, 20, (1,), generator=g))
+            picks = torch.randint(0, 7, (n,), generator=g) + (0 if label else 3)
+            writer.writerow([" ".join(words[int(j)] for j in picks), ["neg", "pos"][label], f"m{i // 4}"])
+    data = build_data("text_csv", path=str(tmp_path / "reviews.csv"), group_column="movie", vocab_size=50, max_len=24)
+    torch.manual_seed(0)
+    model = build_model(name, data.info, "tiny").train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in itertools.islice(train_batches(data.train, 16, seed=0), 12):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert data.info.input_shape == (24,) and model(data.val.tensors[0]).shape == (len(data.val), 2)
+    assert sum(losses[-3:]) < sum(losses[:3]), losses

@@ -100,7 +100,7 @@ BAD = [
     (["train.batch_size=100000"], ConfigError, "exceeds the training set"),
     (["model.name=alexnet"], ModelError, "model='alexnet' is unknown"),
     (["model.size=huge"], ModelError, "model.size='huge' is unknown"),
-    (["data.name=mnist"], DataError, "data='mnist' is unknown"),
+    (["data.name=svhn"], DataError, "data='svhn' is unknown"),
     (["+pipeline.stagse=3"], ConfigError, "unknown key(s) pipeline.stagse"),
     (["ray.address=auto", "ray.num_cpus=2"], ConfigError, "ray.num_cpus=2 applies only when rayspec starts Ray"),
     (["+trace=yes"], ConfigError, "trace='yes' must be true or false"),

@@ -60,4 +60,4 @@ def build_data(name: str, root: str | None = None, seed: int = 0, **options: Any
 
 
 # Importing a data module registers it.
-from rayspec.data import cifar10, imdb, synthetic, synthetic_text  # noqa: E402,F401
+from rayspec.data import cifar10, imdb, mnist, rt_reviews, synthetic, synthetic_text, text_csv  # noqa: E402,F401

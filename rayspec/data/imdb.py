@@ -9,7 +9,6 @@ import os
 import re
 import tempfile
 import warnings
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from rayspec.data import DataBundle, DataError, DataInfo, register
-from rayspec.data.text import build_vocab, encode, tokenize
+from rayspec.data.text import check_sizes, encode_splits
 
 __all__ = ["imdb", "CACHE_FOLDER"]
 
@@ -72,12 +71,7 @@ def imdb(
     Raises:
         DataError: a bad option, missing files, or ``datasets`` not installed for ``source="hf"``.
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 3:
-        raise DataError(
-            f"imdb: data.vocab_size={vocab_size!r} must be an integer >= 3 (padding, unknown and one token)"
-        )
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-        raise DataError(f"imdb: data.max_len={max_len!r} must be an integer >= 1")
+    check_sizes("imdb", vocab_size, max_len)
     options = {"version": _CACHE_VERSION, "vocab_size": vocab_size, "max_len": max_len, "source": source}
     read: Callable[[], Texts]
     if source == "files":
@@ -194,24 +188,15 @@ def _read_hf(root: str | None) -> Texts:
 
 def _tensorize(texts: Texts, vocab_size: int, max_len: int) -> dict[str, Any]:
     """Tokenize both splits, build the vocabulary from the training split only and encode."""
-    counts: Counter[str] = Counter()
-    docs: dict[str, list[list[str]]] = {}
-    for split in _SPLITS:
-        docs[split] = []
-        for text in texts[split][0]:
-            tokens = tokenize(text)
-            if split == "train":
-                counts.update(tokens)
-            docs[split].append(tokens[:max_len])  # only the kept tokens, to bound memory
-    vocab = build_vocab(counts, vocab_size)
+    vocab, ids = encode_splits({split: texts[split][0] for split in _SPLITS}, vocab_size, max_len)
     out: dict[str, Any] = {"vocab": vocab}
     for split in _SPLITS:
-        out[f"{split}_x"] = encode(docs[split], vocab, max_len)
+        out[f"{split}_x"] = ids[split]
         out[f"{split}_y"] = torch.tensor(texts[split][1], dtype=torch.int64)
     log.info(
         "imdb: built %d train / %d test reviews, %d tokens in the vocabulary",
-        len(docs["train"]),
-        len(docs["test"]),
+        len(ids["train"]),
+        len(ids["test"]),
         len(vocab),
     )
     return out

@@ -1,13 +1,16 @@
-"""Text helpers: a simple deterministic tokenizer, a frequency vocabulary and padded encoding."""
+"""Text helpers: a simple deterministic tokenizer, a frequency vocabulary and padded encoding of splits."""
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["PAD", "UNK", "PAD_TOKEN", "UNK_TOKEN", "tokenize", "build_vocab", "encode"]
+from rayspec.data import DataError
+
+__all__ = ["PAD", "UNK", "PAD_TOKEN", "UNK_TOKEN", "tokenize", "build_vocab", "encode", "encode_splits", "check_sizes"]
 
 PAD = 0
 """Id of the padding token."""
@@ -71,3 +74,40 @@ def encode(docs: Sequence[Sequence[str]], vocab: Sequence[str], max_len: int) ->
         if ids:
             out[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
     return out
+
+
+def encode_splits(
+    texts: Mapping[str, Sequence[str]], vocab_size: int, max_len: int, train: str = "train"
+) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Tokenize every split, build the vocabulary from split ``train`` only and encode every split with it.
+
+    Args:
+        texts: the raw texts of each split, by split name.
+        vocab_size: the size of the vocabulary including ``<pad>`` and ``<unk>`` (see :func:`build_vocab`).
+        max_len: tokens per encoded text (see :func:`encode`).
+        train: the split whose tokens are counted for the vocabulary.
+
+    Returns:
+        The vocabulary and, by split name, the int64 ids of shape ``(len(texts[split]), max_len)``.
+    """
+    counts: Counter[str] = Counter()
+    docs: dict[str, list[list[str]]] = {}
+    for split, raw in texts.items():
+        docs[split] = []
+        for text in raw:
+            tokens = tokenize(text)
+            if split == train:
+                counts.update(tokens)
+            docs[split].append(tokens[:max_len])  # only the kept tokens, to bound memory
+    vocab = build_vocab(counts, vocab_size)
+    return vocab, {split: encode(split_docs, vocab, max_len) for split, split_docs in docs.items()}
+
+
+def check_sizes(name: str, vocab_size: object, max_len: object) -> None:
+    """Raise ``DataError`` naming data set ``name`` unless ``vocab_size >= 3`` and ``max_len >= 1`` are integers."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 3:
+        raise DataError(
+            f"{name}: data.vocab_size={vocab_size!r} must be an integer >= 3 (padding, unknown and one token)"
+        )
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise DataError(f"{name}: data.max_len={max_len!r} must be an integer >= 1")

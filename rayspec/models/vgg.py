@@ -10,6 +10,12 @@ fan-out); the linear layers keep PyTorch's default initialisation (see ``CifarVG
 
 Blocks: one per conv (with its ReLU and the max-pool that follows), then the pooling+first linear
 layer, the second linear layer and the output layer: 16 blocks at every size.
+
+Other image sizes: five 2x2 max-pools halve 32 down to 1 exactly, but would leave nothing of a side
+that is not a multiple of 32 (28 -> 14 -> 7 -> 3 -> 1 -> 0 for MNIST). For such inputs the pools round
+up (``ceil_mode=True``: 28 -> 14 -> 7 -> 4 -> 2 -> 1), which changes no weight; inputs whose sides are
+multiples of 32 get exactly the layers above. Sides down to 16 are accepted (there the last pool passes
+a 1x1 map through).
 """
 
 from __future__ import annotations
@@ -68,12 +74,16 @@ class CifarVGG(VGG):
 
 def torchvision_net(name: str, size: str, info: DataInfo) -> CifarVGG:
     """The adapted torchvision VGG-16 at ``size`` for ``info``'s images (``name`` must be ``vgg16``)."""
-    channels = image_channels(name, info, min_size=32)
+    channels = image_channels(name, info, min_size=16)
     div = pick(_SIZES, size, name)
     cfg = [v if v == "M" else int(v) // div for v in cfgs["D"]]
     features = make_layers(cfg)
     first = features[0]
     features[0] = nn.Conv2d(channels, first.out_channels, kernel_size=3, padding=1)
+    if any(side % 32 for side in info.input_shape[1:]):  # e.g. 28x28: round the pools up (module docstring)
+        for layer in features:
+            if isinstance(layer, nn.MaxPool2d):
+                layer.ceil_mode = True
     return CifarVGG(features, 512 // div, info.num_classes)
 
 
@@ -103,6 +113,6 @@ def to_blocks(net: VGG) -> nn.Sequential:
 
 @register("vgg16")
 def vgg16(size: str, info: DataInfo, **options: Any) -> nn.Sequential:
-    """VGG-16 for 32x32 images; see the module docstring."""
+    """VGG-16 for 32x32 images (or others of at least 16x16); see the module docstring."""
     no_options("vgg16", options)
     return to_blocks(torchvision_net("vgg16", size, info))
