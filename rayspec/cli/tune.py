@@ -190,10 +190,10 @@ def _state(sweep: Sweep) -> dict[str, Any]:
     return json.loads(json.dumps(state))
 
 
-def _start_ray(sweep: Sweep) -> None:
-    from rayspec.exec.ray.cluster import ensure_ray
+def _start_ray(sweep: Sweep, echo: Callable[[str], None]) -> None:
+    from rayspec.exec.ray.connect import ensure_ray
 
-    ensure_ray(from_mapping(compose(sweep.overrides)).ray)
+    ensure_ray(from_mapping(compose(sweep.overrides)).ray, echo)
 
 
 def _tuner(sweep: Sweep, resume: bool, echo: Callable[[str], None]) -> Any:
@@ -233,7 +233,7 @@ def run_sweep(sweep: Sweep, resume: bool = True, echo: Callable[[str], None] = p
     Returns:
         One row per trial: ``trial_id``, the swept values, the last reported metrics and ``status``.
     """
-    _start_ray(sweep)
+    _start_ray(sweep, echo)
     tuner = _tuner(sweep, resume, echo)
     results = tuner.fit()
     rows = sorted((_row(sweep, r) for r in results), key=lambda r: r["trial_id"])

@@ -34,7 +34,8 @@ def make_executor(prepared: Prepared, stages: list[Stage], placement_group: Any 
     if p.executor == "local":
         return LocalExecutor(stages, p.method, p.variant)
     from rayspec.exec.ray import RayExecutor  # Ray only for a Ray run
-    from rayspec.exec.ray.cluster import bundle_resources, ensure_ray, stage_resources
+    from rayspec.exec.ray.cluster import bundle_resources, stage_resources
+    from rayspec.exec.ray.connect import ensure_ray
 
     ensure_ray(prepared.config.ray)
     cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages)
