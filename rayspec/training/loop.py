@@ -166,7 +166,7 @@ def _run_segments(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     if timeline is not None:
         bubble = bubble_fraction(timeline, segments)
         write_chrome_trace(timeline, run_dir / "trace.json", name=f"rayspec {p.method} {p.stages} stages")
-        write_gantt(timeline, run_dir / "timeline.png", title=f"{p.method} on {p.stages} stages, {c.model['name']}")
+        write_gantt(timeline, run_dir / "timeline.png", title=f"{p.method} on {p.stages} stages, {c.model_name}")
         echo(f"trace: {run_dir / 'trace.json'} (open in https://ui.perfetto.dev), {run_dir / 'timeline.png'}")
     sent = sum(sum(st["sent_bytes"].values()) for st in stats)
     summary = write_summary(prepared, run_dir, echo, transport=executor.transport, updates=done,

@@ -7,10 +7,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from rayspec.config import Config
 from rayspec.core.methods import METHODS
+from rayspec.data import DataBundle
 from rayspec.training.prepare import prepare
 from rayspec.training.progress import notify
+from rayspec.training.report import model_size
 
 __all__ = ["train"]
 
@@ -22,6 +26,8 @@ def train(
     callbacks: Sequence[Any] = (),
     placement_group: Any = None,
     bundle_offset: int = 0,
+    model: nn.Sequential | None = None,
+    data: DataBundle | None = None,
 ) -> dict[str, Any]:
     """Train as configured and write ``metrics.jsonl``, ``summary.json`` and ``model.pt`` into ``run_dir``.
 
@@ -39,17 +45,20 @@ def train(
         placement_group: a Ray placement group to create the stage actors in (a Tune trial's), stage ``k``
             in bundle ``bundle_offset + k``; by default the Ray executor creates its own.
         bundle_offset: the first stage bundle in ``placement_group``.
+        model: blocks to train instead of building ``config.model`` (``rayspec.fit``).
+        data: data to train on instead of building ``config.data`` (``rayspec.fit``).
 
     Returns:
         The run summary (also written to ``summary.json``).
     """
-    prepared = prepare(config, run_dir)
+    prepared = prepare(config, run_dir, model, data)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     c, p = config, config.pipeline
     n_blocks = ", ".join(str(b) for b in prepared.balance)
-    echo(f"rayspec: {p.method} ({p.variant}) on {p.stages} stages [{n_blocks} blocks], model={c.model['name']}"
-         f"/{c.model.get('size', 'full')}, data={c.data['name']}, executor={p.executor}"
+    size = model_size(c)
+    echo(f"rayspec: {p.method} ({p.variant}) on {p.stages} stages [{n_blocks} blocks], model={c.model_name}"
+         f"{'/' + size if size else ''}, data={c.data_name}, executor={p.executor}"
          + (f", {p.group} micro-batches per update" if p.group > 1 else ""))
     if prepared.plan is not None:
         echo(f"partition ({prepared.plan.partition}, times per micro-batch on this machine's CPU):")
