@@ -136,6 +136,10 @@ def trial(sampled: dict[str, Any], setup: _Setup) -> None:
         p.cpus_per_stage, p.gpus_per_stage = stage_bundles[0].get("CPU"), stage_bundles[0].get("GPU", 0.0)
         cfg["pipeline"].update(cpus_per_stage=p.cpus_per_stage, gpus_per_stage=p.gpus_per_stage)
     run_dir = Path(setup.directory) / Path(context.get_trial_dir()).name  # Tune's trial directory in storage
+    if config.checkpoint.resume is None and config.checkpoint.dir is None:
+        # A trial that Tune runs again (a resumed sweep) goes on from its own newest checkpoint, and with it
+        # its W&B run; a new trial has none and starts afresh.
+        config.checkpoint.resume = cfg["checkpoint"]["resume"] = "auto"
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(cfg), run_dir / ".hydra" / "config.yaml")
     OmegaConf.save(OmegaConf.create(overrides), run_dir / ".hydra" / "overrides.yaml")

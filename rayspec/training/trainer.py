@@ -12,6 +12,7 @@ from torch import nn
 from rayspec.config import Config
 from rayspec.core.methods import METHODS
 from rayspec.data import DataBundle
+from rayspec.training.loggers import with_wandb_id
 from rayspec.training.prepare import prepare
 from rayspec.training.progress import notify
 from rayspec.training.report import model_size
@@ -35,7 +36,9 @@ def train(
         config: a validated ``Config``.
         run_dir: where the run's files go (created).
         echo: prints one console line.
-        callbacks: objects with any of ``on_start(config)``, ``on_metrics(record)`` (every record written
+        callbacks: objects with any of ``on_resume(step, checkpoint_path)`` (before ``on_start`` when the run
+            resumes from a checkpoint), ``on_start(config)`` (the config as run: with ``logger.id`` set for W&B),
+            ``on_metrics(record)`` (every record written
             to ``metrics.jsonl``: per-step ``loss`` records and per-evaluation ``val_*`` records) and
             ``on_end(summary)``; ``on_end`` is also called, with ``None``, when training fails. Pipeline methods
             also call ``on_weights(step, state_dict)`` at every evaluation with the merged weights evaluated,
@@ -52,6 +55,7 @@ def train(
         The run summary (also written to ``summary.json``).
     """
     prepared = prepare(config, run_dir, model, data)
+    config = prepared.config = with_wandb_id(config, prepared.resume)  # [Note: W&B resume]
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     c, p = config, config.pipeline
@@ -66,6 +70,7 @@ def train(
             echo("  " + line)
     if prepared.resume is not None:
         echo(f"resuming from {prepared.resume_path} (update {prepared.resume['step']})")
+        notify(callbacks, "on_resume", prepared.resume["step"], prepared.resume_path)
     notify(callbacks, "on_start", config)
     try:
         if not METHODS[p.method].pipelined:  # whole-model replicas on Ray Train (rayspec.training.dataparallel)
