@@ -150,6 +150,8 @@ def test_ray_up_cluster_file():
     assert workers and all(t["max_workers"] >= 1 for t in workers)
     setup = " ".join(c["setup_commands"])
     assert "pip install" in setup and "rayspec" in setup
+    for name in ("cluster.yaml", "rayjob.yaml"):  # the configs ship in the package: a plain install will do
+        assert "pip install -e" not in (CLUSTER / name).read_text(), name
     assert any("ray start --head" in cmd and "--dashboard-host=0.0.0.0" in cmd for cmd in c["head_start_ray_commands"])
     assert any("ray start --address" in cmd for cmd in c["worker_start_ray_commands"])
 
