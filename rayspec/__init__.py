@@ -1,8 +1,9 @@
 """rayspec: pipelined model parallelism on Ray with SpecTrain weight prediction.
 
-What a user calls: ``run`` (train from a ``Config``; the command ``python -m rayspec.train`` does the same
-from Hydra overrides), ``Config``, the method registry ``METHODS``, and the lower-level pieces the
-trainer is built from: ``Stage``, ``build_schedule``, ``LocalExecutor`` and ``RayExecutor``.
+What a user calls: ``fit`` (train blocks and data sets of one's own), ``run`` (train from a ``Config`` or
+Hydra overrides, as the command ``python -m rayspec.train`` does), ``Config``, the method registry ``METHODS``,
+and the lower-level pieces the trainer is built from: ``Stage``, ``build_schedule``, ``LocalExecutor`` and
+``RayExecutor``.
 
 The names load on first use, so that importing one part (a stage actor imports ``rayspec.exec.ray``)
 does not import the others (the trainer, the data sets, Ray).
@@ -20,10 +21,11 @@ if TYPE_CHECKING:
     from rayspec.core.stage import Stage
     from rayspec.exec import LocalExecutor
     from rayspec.exec.ray import RayExecutor
-    from rayspec.training import train as run
+    from rayspec.training import fit, run
 
 _EXPORTS = {
-    "run": ("rayspec.training", "train"),
+    "fit": ("rayspec.training", "fit"),
+    "run": ("rayspec.training", "run"),
     "Config": ("rayspec.config", "Config"),
     "METHODS": ("rayspec.core.methods", "METHODS"),
     "Stage": ("rayspec.core.stage", "Stage"),
@@ -41,5 +43,5 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["run", "Config", "METHODS", "Stage", "Schedule", "build_schedule", "LocalExecutor", "RayExecutor"]
+__all__ = ["fit", "run", "Config", "METHODS", "Stage", "Schedule", "build_schedule", "LocalExecutor", "RayExecutor"]
 __version__ = "0.1.0"

@@ -11,22 +11,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from ray_head import RayHead, stop_group
 
 from rayspec.config import from_mapping
 from rayspec.models import build_model
@@ -34,143 +31,6 @@ from rayspec.training.prepare import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "examples" / "cluster"
-BIN = Path(sys.executable).parent  # the environment's python and ray: the head's jobs run this python
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _free_range(size: int = 200) -> tuple[int, int]:
-    """A run of ``size`` ports that are free now, for the head's worker processes."""
-    for _ in range(50):
-        base = random.randrange(20000, 60000 - size)
-        socks = []
-        try:
-            for port in range(base, base + size):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base, base + size - 1
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"found no {size} consecutive free ports")
-
-
-def _processes(pgid: int, temp: Path) -> list[str]:
-    """``pid args`` of every live process in process group ``pgid`` or with ``temp`` in its arguments
-    (Ray's processes name their session directory)."""
-    out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat=,args="], capture_output=True, text=True).stdout
-    rows = [line.split(None, 3) for line in out.splitlines()]
-    return [f"{r[0]} {r[3]}"[:160] for r in rows if len(r) == 4 and not r[2].startswith("Z")
-            and (r[1] == str(pgid) or str(temp) in r[3])]
-
-
-def _stop_group(proc: subprocess.Popen, temp: Path, timeout: float = 60.0) -> list[str]:
-    """SIGTERM the group's leader (``ray start --block`` then stops its Ray processes), wait for the whole
-    group and every process under ``temp`` to go, SIGKILL what is left; returns what was still running
-    when the wait ended."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while (left := _processes(proc.pid, temp)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if left:
-        for line in left:
-            try:
-                os.kill(int(line.split()[0]), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    proc.wait(timeout=30)
-    return left
-
-
-class RayHead:
-    """``ray start --head --block`` on 127.0.0.1: free ports, its own temporary directory and token,
-    and the environment's ``bin`` first on ``PATH`` (so a job's ``python`` is this environment's)."""
-
-    def __init__(self, num_cpus: int = 2) -> None:
-        self.temp = Path(tempfile.mkdtemp(prefix="rs-head-"))  # short: Ray's socket paths live under it
-        token = self.temp / "auth_token"
-        token.write_text(secrets.token_hex(32))
-        gcs, self.dashboard, client, node, objects, agent, agent_grpc, env_agent, metrics = _free_ports(9)
-        self.agent = agent
-        low, high = _free_range()
-        self.address = f"http://127.0.0.1:{self.dashboard}"
-        self.env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0"}
-        self.env.pop("RAY_ADDRESS", None)
-        self.token = token.read_text()
-        self.command = [
-            str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-            "--dashboard-host=127.0.0.1", f"--port={gcs}", f"--dashboard-port={self.dashboard}",
-            f"--ray-client-server-port={client}", f"--node-manager-port={node}", f"--object-manager-port={objects}",
-            f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-            f"--runtime-env-agent-port={env_agent}", f"--metrics-export-port={metrics}",
-            f"--min-worker-port={low}", f"--max-worker-port={high}", f"--num-cpus={num_cpus}",
-            "--object-store-memory=200000000", f"--temp-dir={self.temp}", "--disable-usage-stats",
-        ]
-        self.log = self.temp / "head.out"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def get(self, url: str) -> bytes:
-        """GET ``url`` from the dashboard (or its agent) with the head's token."""
-        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.token}"})
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return response.read()
-
-    def _ok(self, url: str) -> bool:
-        try:
-            self.get(url)
-            return True
-        except OSError:
-            return False
-
-    def wait_ready(self, timeout: float = 180.0) -> float:
-        """Wait until the dashboard and the head's dashboard agent (which runs submitted jobs) answer."""
-        assert self.proc is not None
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                pytest.fail(f"ray start --head exited with {self.proc.returncode}:\n{self.tail()}")
-            if self._ok(f"{self.address}/api/version") and self._ok(f"http://127.0.0.1:{self.agent}/api/healthz"):
-                return time.monotonic() - t0
-            time.sleep(0.5)
-        pytest.fail(f"the head's dashboard or agent did not answer within {timeout:.0f} s:\n{self.tail()}")
-
-    def ray(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-        return subprocess.run([str(BIN / "ray"), *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)
-
-    def tail(self, chars: int = 3000) -> str:
-        logs = self.temp / "session_latest" / "logs"
-        parts = [self.log.read_text()[-chars:]] if self.log.exists() else []
-        for name in ("dashboard_agent.log", "dashboard.log"):
-            if (logs / name).exists():
-                parts.append(f"--- {name}\n" + (logs / name).read_text()[-chars:])
-        return "\n".join(parts)
-
-    def stop(self) -> list[str]:
-        left = _stop_group(self.proc, self.temp) if self.proc is not None else []
-        shutil.rmtree(self.temp, ignore_errors=True)
-        return left
-
-
 @pytest.fixture
 def head() -> Iterator[RayHead]:
     h = RayHead()
@@ -256,10 +116,10 @@ def test_spread_puts_each_stage_on_its_own_node_with_the_same_numbers(tmp_path):
         try:
             out, err = proc.communicate(timeout=400)
         except subprocess.TimeoutExpired:
-            _stop_group(proc, temp, timeout=10)
+            stop_group(proc, temp, timeout=10)
             out, err = proc.communicate()
             pytest.fail(f"the multi-node run did not end within 400 s:\n{err[-4000:]}")
-        left = _stop_group(proc, temp, timeout=30)
+        left = stop_group(proc, temp, timeout=30)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     assert proc.returncode == 0, err[-4000:]
@@ -290,6 +150,8 @@ def test_ray_up_cluster_file():
     assert workers and all(t["max_workers"] >= 1 for t in workers)
     setup = " ".join(c["setup_commands"])
     assert "pip install" in setup and "rayspec" in setup
+    for name in ("cluster.yaml", "rayjob.yaml"):  # the configs ship in the package: a plain install will do
+        assert "pip install -e" not in (CLUSTER / name).read_text(), name
     assert any("ray start --head" in cmd and "--dashboard-host=0.0.0.0" in cmd for cmd in c["head_start_ray_commands"])
     assert any("ray start --address" in cmd for cmd in c["worker_start_ray_commands"])
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rayspec"
-LAYERS = ("rayspec.errors", "rayspec.core", "rayspec.data", "rayspec.models", "rayspec.partition", "rayspec.config",
+LAYERS = ("rayspec.errors", "rayspec.targets", "rayspec.core", "rayspec.data", "rayspec.models", "rayspec.partition", "rayspec.config",
           "rayspec.exec", "rayspec.exec.ray", "rayspec.training", "rayspec.cli")
 """Bottom first: a module may import from its own layer and the layers before it (README, Layout)."""
 ENTRY = {"rayspec", "rayspec.train", "rayspec.tune", "rayspec.study", "rayspec.schedule"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import math
 import shlex
 import subprocess
@@ -190,3 +191,56 @@ def test_cli_reports_bad_sweeps_before_ray_starts(tmp_path, bad):
     assert expected in res.stderr
     assert "Started a local Ray instance" not in res.stderr + res.stdout
     assert not any(tmp_path.glob("*/experiment_state*"))
+
+
+class _Context:
+    """What a trial asks Tune's context for, outside Tune: its directory and id (a local run needs no bundles)."""
+
+    def __init__(self, trial_dir: Path) -> None:
+        self.trial_dir = trial_dir
+
+    def get_trial_dir(self) -> str:
+        return str(self.trial_dir)
+
+    def get_trial_id(self) -> str:
+        return "t0"
+
+
+def test_a_trial_run_again_continues_from_its_checkpoint_and_wandb_run(tmp_path, monkeypatch):
+    """A trial that Tune runs again (a resumed sweep) resumes from its own newest checkpoint and continues its W&B
+    run; here its first attempt fails at its second evaluation, after the checkpoint at update 2."""
+    import ray.tune
+    import ray.util
+
+    import rayspec.cli.tune as tune_cli
+    from rayspec.training.loggers import RUN_FILE, offline_runs, read_offline_history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(ray.tune, "get_context", lambda: _Context(tmp_path / "trial_0"))
+    monkeypatch.setattr(ray.util, "get_current_placement_group", lambda: None)
+    reported: list[dict] = []
+
+    def fail_at_4(result: dict) -> None:
+        if result["step"] == 4:
+            raise RuntimeError("the trial's process died")
+        reported.append(result)
+
+    overrides = ["model.size=tiny", "data.train_size=256", "data.val_size=64", "train.batch_size=16",
+                 "train.max_steps=6", "train.log_every=2", "train.eval_every=2", "checkpoint.every=2",
+                 "pipeline.executor=local", "pipeline.stages=2", "logger=wandb"]
+    setup = _Setup("s", overrides, None, str(tmp_path / "out"), str(Path.cwd()))
+    monkeypatch.setattr(tune_cli, "_report", fail_at_4)
+    with pytest.raises(Exception, match="the trial's process died"):
+        tune_cli.trial({"optim.lr": 0.05}, setup)
+    run_dir = tmp_path / "out" / "trial_0"
+    first = json.loads((run_dir / RUN_FILE).read_text())
+    monkeypatch.setattr(tune_cli, "_report", reported.append)
+    tune_cli.trial({"optim.lr": 0.05}, setup)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == 2 and summary["updates"] == 6
+    assert [r["step"] for r in reported] == [2, 4, 6]  # Tune hears of every evaluation once
+    runs = offline_runs(run_dir)
+    assert [r.name.rsplit("-", 1)[-1] for r in runs] == [first["id"]] * 2
+    history = [sorted({row["_step"] for row in read_offline_history(r, wait_s=60)}) for r in runs]
+    assert history == [[2, 4], [6]]  # update 4's loss reached W&B before the failure: not sent again

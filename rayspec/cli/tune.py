@@ -136,6 +136,10 @@ def trial(sampled: dict[str, Any], setup: _Setup) -> None:
         p.cpus_per_stage, p.gpus_per_stage = stage_bundles[0].get("CPU"), stage_bundles[0].get("GPU", 0.0)
         cfg["pipeline"].update(cpus_per_stage=p.cpus_per_stage, gpus_per_stage=p.gpus_per_stage)
     run_dir = Path(setup.directory) / Path(context.get_trial_dir()).name  # Tune's trial directory in storage
+    if config.checkpoint.resume is None and config.checkpoint.dir is None:
+        # A trial that Tune runs again (a resumed sweep) goes on from its own newest checkpoint, and with it
+        # its W&B run; a new trial has none and starts afresh.
+        config.checkpoint.resume = cfg["checkpoint"]["resume"] = "auto"
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(cfg), run_dir / ".hydra" / "config.yaml")
     OmegaConf.save(OmegaConf.create(overrides), run_dir / ".hydra" / "overrides.yaml")
@@ -190,10 +194,10 @@ def _state(sweep: Sweep) -> dict[str, Any]:
     return json.loads(json.dumps(state))
 
 
-def _start_ray(sweep: Sweep) -> None:
-    from rayspec.exec.ray.cluster import ensure_ray
+def _start_ray(sweep: Sweep, echo: Callable[[str], None]) -> None:
+    from rayspec.exec.ray.connect import ensure_ray
 
-    ensure_ray(from_mapping(compose(sweep.overrides)).ray)
+    ensure_ray(from_mapping(compose(sweep.overrides)).ray, echo)
 
 
 def _tuner(sweep: Sweep, resume: bool, echo: Callable[[str], None]) -> Any:
@@ -233,7 +237,7 @@ def run_sweep(sweep: Sweep, resume: bool = True, echo: Callable[[str], None] = p
     Returns:
         One row per trial: ``trial_id``, the swept values, the last reported metrics and ``status``.
     """
-    _start_ray(sweep)
+    _start_ray(sweep, echo)
     tuner = _tuner(sweep, resume, echo)
     results = tuner.fit()
     rows = sorted((_row(sweep, r) for r in results), key=lambda r: r["trial_id"])

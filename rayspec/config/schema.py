@@ -19,12 +19,14 @@ from rayspec.config.sections import (
 )
 from rayspec.core.methods import METHODS
 from rayspec.errors import ConfigError
+from rayspec.targets import TARGET
 
-__all__ = ["Config", "LOGGERS", "from_mapping", "merge", "defaults"]
+__all__ = ["Config", "LOGGERS", "SECTIONS", "from_mapping", "merge", "defaults"]
 
 LOGGERS = ("none", "wandb")
-_SECTIONS = {"pipeline": PipelineConfig, "optim": OptimConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
-             "fault": FaultConfig, "ray": RayConfig}
+SECTIONS = {"pipeline": PipelineConfig, "optim": OptimConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
+            "fault": FaultConfig, "ray": RayConfig}
+"""The typed sections by name."""
 _GROUPS = ("model", "data", "logger")
 """Free-form sections chosen as Hydra config groups (``rayspec/conf``): their keys belong to the model builder,
 the data set and the logger."""
@@ -35,9 +37,11 @@ _SWITCHES = ("trace",)
 @dataclass
 class Config:
     model: dict[str, Any] = field(default_factory=lambda: {"name": "mlp", "size": "small"})
-    """``name`` (``rayspec.models``), ``size`` (``full``, ``small``, ``tiny``) and the builder's options."""
+    """``name`` (``rayspec.models``), ``size`` (``full``, ``small``, ``tiny``) and the builder's options; or, for a
+    model of your own, ``_target_`` (``mypkg.models.build``) and its arguments (``rayspec.models.custom``)."""
     data: dict[str, Any] = field(default_factory=lambda: {"name": "synthetic_image"})
-    """``name`` (``rayspec.data``), ``root`` and the data set's options."""
+    """``name`` (``rayspec.data``), ``root`` and the data set's options; or ``_target_`` and its arguments
+    (``rayspec.data.custom``)."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -52,7 +56,7 @@ class Config:
 
     def validate(self) -> Config:
         """Check every value that needs no model or data; raise ``ConfigError`` naming the value and the fix."""
-        for name in _SECTIONS:
+        for name in SECTIONS:
             getattr(self, name).check()
         p, t = self.pipeline, self.train
         integer("seed", self.seed, 0, "use a non-negative integer seed")
@@ -70,11 +74,36 @@ class Config:
                 f"train.batch_size={t.batch_size} is not divisible by pipeline.stages={p.stages}; {p.method} "
                 "splits each batch into equal shards, one per worker: pick a multiple of pipeline.stages"
             )
-        if not isinstance(self.model.get("name"), str):
-            raise ConfigError("model.name must be set, e.g. model=mlp")
-        if not isinstance(self.data.get("name"), str):
-            raise ConfigError("data.name must be set, e.g. data=synthetic_image")
+        _check_builder("model", self.model, "model=mlp")
+        _check_builder("data", self.data, "data=synthetic_image")
         return self
+
+    @property
+    def model_name(self) -> str:
+        """The model's registry name, or its ``_target_``."""
+        return str(self.model.get("name") or self.model.get(TARGET))
+
+    @property
+    def data_name(self) -> str:
+        """The data set's registry name, or its ``_target_``."""
+        return str(self.data.get("name") or self.data.get(TARGET))
+
+
+def _check_builder(section: str, cfg: dict[str, Any], example: str) -> None:
+    """A ``model`` or ``data`` section names a registry entry (``name``) or a builder of one's own (``_target_``)."""
+    name, target = cfg.get("name"), cfg.get(TARGET)
+    if target is not None and name is not None:
+        raise ConfigError(
+            f"{section}._target_={target} and {section}.name={name} are both set ({section}.name comes from the "
+            f"group {section}={name}); pick {section}=custom {section}._target_={target}, or a {section}/NAME.yaml "
+            "of your own that sets _target_"
+        )
+    if target is not None:
+        if not isinstance(target, str) or target in ("", "???"):
+            raise ConfigError(f"{section}._target_={target!r} must be the dotted path of a builder, "
+                              f"e.g. {section}._target_=mypkg.{section}.build")
+    elif not isinstance(name, str):
+        raise ConfigError(f"{section}.name (or {section}._target_) must be set, e.g. {example}")
 
 
 def defaults() -> dict[str, Any]:
@@ -105,7 +134,8 @@ def from_mapping(cfg: Mapping[str, Any]) -> Config:
     """Build and validate a ``Config`` from a plain mapping (e.g. ``OmegaConf.to_container(cfg)``).
 
     A ``debug`` section (the ``debug=...`` config group) is merged over everything else last, so a
-    smoke-run setting shrinks any experiment whatever order the groups were chosen in.
+    smoke-run setting shrinks any experiment whatever order the groups were chosen in. A model of one's own
+    (``model._target_``) takes only the debug keys its config already has (``model.size`` if it has a ``size``).
     """
     cfg = dict(cfg)
     debug = cfg.pop("debug", None)
@@ -113,6 +143,10 @@ def from_mapping(cfg: Mapping[str, Any]) -> Config:
         if not isinstance(debug, Mapping):
             raise ConfigError(f"debug={debug!r} must be a config section; choose one from rayspec/conf/debug/, "
                               "e.g. debug=smoke")
+        for section in _GROUPS:
+            own = cfg.get(section)
+            if isinstance(own, Mapping) and TARGET in own and isinstance(debug.get(section), Mapping):
+                debug = {**debug, section: {k: v for k, v in debug[section].items() if k in own}}
         cfg = merge(cfg, debug)
     extra = sorted(set(cfg) - {f.name for f in dataclasses.fields(Config)} - {"hydra", "experiment"})
     if extra:
@@ -121,7 +155,7 @@ def from_mapping(cfg: Mapping[str, Any]) -> Config:
     if pipeline.get("balance") is not None:
         pipeline["balance"] = list(pipeline["balance"])
     sections = {name: _section(cls, name, pipeline if name == "pipeline" else cfg.get(name))
-                for name, cls in _SECTIONS.items()}
+                for name, cls in SECTIONS.items()}
     config = Config(
         model=dict(cfg.get("model") or {}),
         data=dict(cfg.get("data") or {}),

@@ -205,14 +205,20 @@ class FaultConfig:
 @dataclass
 class RayConfig:
     address: str | None = None
-    """null: start a local Ray; ``auto`` or ``ray://...`` to join a cluster."""
+    """null: start a fresh local Ray, or join the cluster in ``RAY_ADDRESS`` when that is set (a ``ray job submit``
+    job); ``auto``: the head ``ray start`` recorded on this machine; ``HOST:PORT`` or ``ray://HOST:PORT``: that
+    head (``rayspec.exec.ray.connect``, [Note: Ray address])."""
     num_cpus: int | None = None
     """CPUs of the local Ray that rayspec starts (null: the machine's)."""
     log_to_driver: bool = True
     """Print the actors' logs in this process."""
+    connect_timeout_s: float = 30.0
+    """How long to wait for the head of a cluster to join before failing with an error that names it."""
 
     def check(self) -> None:
-        if self.address and self.num_cpus is not None:
+        if not number(self.connect_timeout_s) or self.connect_timeout_s <= 0:
+            raise ConfigError(f"ray.connect_timeout_s={self.connect_timeout_s!r} must be a positive number of seconds")
+        if self.address not in (None, "local") and self.num_cpus is not None:
             raise ConfigError(
                 f"ray.num_cpus={self.num_cpus} applies only when rayspec starts Ray itself; remove it when "
                 f"joining the cluster at ray.address={self.address} (the cluster's nodes set their CPUs)"

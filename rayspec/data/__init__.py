@@ -34,9 +34,12 @@ class DataInfo:
 
 @dataclass
 class DataBundle:
+    """A training split, a validation split (None: no evaluation) and what a model needs to know of them."""
+
     train: Dataset
     val: Dataset | None
-    info: DataInfo
+    info: DataInfo | None
+    """None only for data given with a model of one's own (``rayspec.fit``, ``data._target_``)."""
 
 
 DATASETS: dict[str, Callable[..., DataBundle]] = {}

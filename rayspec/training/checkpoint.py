@@ -137,9 +137,10 @@ def check_compatible(saved: dict[str, Any], config: Config, path: Path) -> None:
 def payload(config: Config, balance: list[int], stages: list[dict[str, Any]], train_s: float,
             evals: dict[str, float]) -> dict[str, Any]:
     """What a checkpoint holds besides its format and step: the run's settings (as JSON), the partition,
-    every stage's state (``Stage.checkpoint_state``), the training seconds so far and the last evaluation."""
+    every stage's state (``Stage.checkpoint_state``), the training seconds so far, the last evaluation and the
+    W&B run id (``logger.id``, None without W&B), which a resumed run continues."""
     return {"config": json.dumps(asdict(config), default=str), "balance": list(balance), "stages": stages,
-            "train_s": train_s, "evals": json.dumps(evals)}
+            "train_s": train_s, "evals": json.dumps(evals), "wandb_id": (config.logger or {}).get("id")}
 
 
 def _get(tree: dict[str, Any], key: tuple[str, ...], missing: Any = None) -> Any:

@@ -112,9 +112,9 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
-    from rayspec.exec.ray.cluster import ensure_ray
+    from rayspec.exec.ray.connect import ensure_ray
 
-    ensure_ray(c.ray)
+    ensure_ray(c.ray, echo)
     n = p.stages
     cpus, gpus = _worker_resources(c, ray.cluster_resources())
     backend = "nccl" if gpus > 0 else "gloo"

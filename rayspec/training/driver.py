@@ -30,7 +30,8 @@ import torch
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rayspec.exec.ray.cluster import actor_died, ensure_ray, reserve_stages, stage_resources
+from rayspec.exec.ray.cluster import actor_died, reserve_stages, stage_resources
+from rayspec.exec.ray.connect import ensure_ray
 from rayspec.training.checkpoint import CheckpointStore, load_checkpoint
 from rayspec.training.failures import Restarts, death
 from rayspec.training.loop import run
@@ -134,7 +135,7 @@ def run_in_driver(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     the driver actor and its stages.
     """
     c, p = prepared.config, prepared.config.pipeline
-    ensure_ray(c.ray)
+    ensure_ray(c.ray, echo)
     owned = None
     if placement_group is None:
         cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages)

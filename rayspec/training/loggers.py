@@ -4,6 +4,17 @@ Loggers are trainer callbacks (``on_start``, ``on_metrics``, ``on_end``; see ``r
 and run on the driver only: stage actors never talk to W&B. ``build_callbacks`` turns the
 ``logger`` section of the config into callbacks; ``read_offline_history`` reads the history an
 offline run wrote, without syncing it.
+
+[Note: W&B resume] A run's W&B id (``logger.id``; rayspec picks one when it is null) goes into every checkpoint
+(``wandb_id``) and into ``RUN_DIR/wandb.json`` with the last update sent to W&B. A resumed run takes the
+checkpoint's id and continues that W&B run (``wandb.init(id=..., resume="allow")``); its steps are update counts,
+so they go on from the checkpoint. W&B drops a record whose step is below the last one it holds (offline too,
+within one run file), and the updates between the checkpoint and the end of the earlier attempt are in W&B
+already. The resumed run does not send them again: a resumed run repeats those updates exactly (only the timing
+figures differ). W&B's ``resume_from`` would rewind the history to the checkpoint instead, but it is in beta,
+works only online and needs the earlier run on the server, so rayspec does not use it. The last step W&B holds
+comes from W&B when it says (an online resumed run) and from ``wandb.json`` in the run folder and in the folder
+of the checkpoint resumed from; an offline run resumed elsewhere sends every update after the checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ import json
 import logging
 import netrc
 import os
+import secrets
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,12 +34,15 @@ from urllib.parse import urlparse
 from rayspec.config import LOGGERS, Config
 from rayspec.errors import ConfigError
 
-__all__ = ["LOGGERS", "WandbLogger", "build_callbacks", "wandb_mode", "read_offline_history", "offline_runs"]
+__all__ = ["LOGGERS", "WandbLogger", "build_callbacks", "wandb_mode", "read_offline_history", "offline_runs",
+           "with_wandb_id", "new_wandb_id", "RUN_FILE"]
 
 log = logging.getLogger(__name__)
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
-_WANDB_KEYS = {"name", "project", "entity", "group", "tags", "mode", "notes", "job_type"}
+_WANDB_KEYS = {"name", "id", "project", "entity", "group", "tags", "mode", "notes", "job_type"}
+RUN_FILE = "wandb.json"
+"""In the run folder: the W&B run's ``id``, ``project``, ``entity``, ``mode`` and ``last_step`` sent ([Note: W&B resume])."""
 
 
 def wandb_mode(requested: str | None = "auto") -> tuple[str, str]:
@@ -70,11 +85,13 @@ class WandbLogger:
     """Logs a run to W&B from the driver: config, per-step and per-evaluation metrics, the summary.
 
     Args:
-        run_dir: the run directory; W&B writes its run under ``<run_dir>/wandb/``.
+        run_dir: the run directory; W&B writes its run under ``<run_dir>/wandb/``, rayspec ``<run_dir>/wandb.json``.
         project: the W&B project.
         entity: the W&B entity (user or team), None for the default.
         group: a group for related runs (a sweep's name).
         name: the run's display name.
+        id: the W&B run id; None: ``logger.id`` of the config at ``on_start`` (set by the trainer: the resumed
+            checkpoint's, or a new one).
         tags: run tags.
         mode: ``auto`` (online with an API key, else offline), ``online``, ``offline`` or ``disabled``.
         notes: free text stored with the run.
@@ -89,6 +106,7 @@ class WandbLogger:
         entity: str | None = None,
         group: str | None = None,
         name: str | None = None,
+        id: str | None = None,
         tags: list[str] | tuple[str, ...] = (),
         mode: str = "auto",
         notes: str | None = None,
@@ -100,9 +118,19 @@ class WandbLogger:
         self.run_dir = Path(run_dir)
         self.options: dict[str, Any] = {"project": project, "entity": entity, "group": group, "name": name, "tags": list(tags),
                         "notes": notes, "job_type": job_type}
+        self.id = id
         self.mode, self.reason = wandb_mode(mode)
         self.echo = echo
         self.run: Any = None
+        self.resumed: tuple[int, Path | None] | None = None
+        self.next_step = 0
+        """Records below this step are in W&B already and are not sent ([Note: W&B resume])."""
+        self.written = -1
+        """The last step recorded in ``wandb.json``."""
+
+    def on_resume(self, step: int, checkpoint: Path | None) -> None:
+        """The run resumes from ``checkpoint``, written at update ``step`` (called before ``on_start``)."""
+        self.resumed = (step, checkpoint)
 
     def on_start(self, config: Config) -> None:
         import wandb
@@ -111,14 +139,49 @@ class WandbLogger:
         if self.mode == "offline":
             self.echo(f"W&B: {self.reason}; logging offline under {self.run_dir / 'wandb'} "
                       f"(upload later with `wandb sync {self.run_dir / 'wandb'}/offline-run-*`)")
+        run_id = self.id or (config.logger or {}).get("id") or new_wandb_id()
         self.run = wandb.init(dir=str(self.run_dir), config=dataclasses.asdict(config), mode=self.mode,  # type: ignore[arg-type]
-                              reinit="finish_previous", **self.options)
+                              id=run_id, resume="allow", reinit="finish_previous", **self.options)
+        if self.resumed is not None:
+            self._continue(run_id)
+        self._record(self.next_step - 1)
+
+    def _continue(self, run_id: str) -> None:
+        """Set ``next_step`` past what W&B holds of run ``run_id`` and say so."""
+        step, checkpoint = self.resumed or (0, None)
+        held = [self.run.step - 1 if self.run.resumed else -1]  # W&B's word (online)
+        folders = [self.run_dir] + ([checkpoint.parent.parent] if checkpoint is not None else [])
+        for folder in folders:
+            record = _read_run_file(folder)
+            if record.get("id") == run_id and isinstance(record.get("last_step"), int):
+                held.append(record["last_step"])
+        self.next_step = max(held) + 1
+        again = f"; updates {step + 1}-{self.next_step - 1} are in W&B already and are not sent again" \
+            if self.next_step > step + 1 else ""
+        self.echo(f"W&B: continuing run {run_id} from update {step}{again}")
+
+    def _record(self, last_step: int) -> None:
+        """Write ``RUN_DIR/wandb.json``: the W&B run and the last step sent."""
+        if self.run is None or self.mode == "disabled":
+            return
+        record = {"id": self.run.id, "project": self.run.project, "entity": self.run.entity, "mode": self.mode,
+                  "last_step": last_step if last_step >= 0 else None}
+        tmp = self.run_dir / f".{RUN_FILE}.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.run_dir / RUN_FILE)
+        self.written = last_step
 
     def on_metrics(self, record: dict[str, Any]) -> None:
         if self.run is None:
             return
+        step = int(record["step"])
+        if step < self.next_step:  # in W&B already: a resumed run repeats it exactly
+            return
         values = {k: v for k, v in record.items() if k != "step"}
-        self.run.log(values, step=int(record["step"]))
+        self.run.log(values, step=step)
+        if step > self.written:
+            self._record(step)
+        self.next_step = step  # the same step again merges into W&B's row; a lower one would be dropped
 
     def on_end(self, summary: dict[str, Any] | None) -> None:
         if self.run is None:
@@ -132,6 +195,30 @@ class WandbLogger:
         finally:
             self.run.finish(exit_code=0 if summary is not None else 1)
             self.run = None
+
+
+def new_wandb_id() -> str:
+    """A new W&B run id: 8 characters of ``[0-9a-z]``, as W&B's own."""
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def with_wandb_id(config: Config, resume: dict[str, Any] | None) -> Config:
+    """``config`` with ``logger.id`` set when it logs to W&B: the configured id, else the resumed checkpoint's
+    (``wandb_id``), else a new one ([Note: W&B resume]); ``config`` itself is not changed."""
+    logger = dict(config.logger or {})
+    if logger.get("name") != "wandb" or logger.get("id"):
+        return config
+    logger["id"] = (resume or {}).get("wandb_id") or new_wandb_id()
+    return dataclasses.replace(config, logger=logger)
+
+
+def _read_run_file(folder: Path) -> dict[str, Any]:
+    try:
+        record = json.loads((folder / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def build_callbacks(

@@ -34,7 +34,8 @@ def make_executor(prepared: Prepared, stages: list[Stage], placement_group: Any 
     if p.executor == "local":
         return LocalExecutor(stages, p.method, p.variant)
     from rayspec.exec.ray import RayExecutor  # Ray only for a Ray run
-    from rayspec.exec.ray.cluster import bundle_resources, ensure_ray, stage_resources
+    from rayspec.exec.ray.cluster import bundle_resources, stage_resources
+    from rayspec.exec.ray.connect import ensure_ray
 
     ensure_ray(prepared.config.ray)
     cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages)
@@ -165,7 +166,7 @@ def _run_segments(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     if timeline is not None:
         bubble = bubble_fraction(timeline, segments)
         write_chrome_trace(timeline, run_dir / "trace.json", name=f"rayspec {p.method} {p.stages} stages")
-        write_gantt(timeline, run_dir / "timeline.png", title=f"{p.method} on {p.stages} stages, {c.model['name']}")
+        write_gantt(timeline, run_dir / "timeline.png", title=f"{p.method} on {p.stages} stages, {c.model_name}")
         echo(f"trace: {run_dir / 'trace.json'} (open in https://ui.perfetto.dev), {run_dir / 'timeline.png'}")
     sent = sum(sum(st["sent_bytes"].values()) for st in stats)
     summary = write_summary(prepared, run_dir, echo, transport=executor.transport, updates=done,

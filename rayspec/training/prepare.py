@@ -18,11 +18,14 @@ from rayspec.config import Config
 from rayspec.core.methods import METHODS
 from rayspec.core.optim import LRSchedule
 from rayspec.core.stage import Stage, make_stages
-from rayspec.data import DataBundle, build_data
+from rayspec.data import DataBundle, DataInfo, build_data
+from rayspec.data.custom import build_target_data
 from rayspec.data.loader import eval_batches
 from rayspec.errors import ConfigError
 from rayspec.models import build_model, model_options
+from rayspec.models.custom import build_target_model
 from rayspec.partition import PartitionPlan, check_balance, choose_partition, profile_blocks, split, uniform
+from rayspec.targets import TARGET
 from rayspec.training.checkpoint import CheckpointStore, check_compatible, load_checkpoint, resolve_resume
 
 __all__ = ["Prepared", "prepare", "lr_schedule", "build_stages", "split_batches"]
@@ -44,7 +47,8 @@ class Prepared:
     resume_path: Path | None = None
 
 
-def prepare(config: Config, run_dir: str | os.PathLike | None = None) -> Prepared:
+def prepare(config: Config, run_dir: str | os.PathLike | None = None, model: nn.Sequential | None = None,
+            data: DataBundle | None = None) -> Prepared:
     """Validate the config, build data and model, read the checkpoint to resume from and choose the partition;
     raises before any Ray work.
 
@@ -52,6 +56,9 @@ def prepare(config: Config, run_dir: str | os.PathLike | None = None) -> Prepare
         config: the run's settings.
         run_dir: the run directory; ``checkpoint.resume=auto`` looks in its ``checkpoints/`` unless
             ``checkpoint.dir`` is set.
+        model: the blocks to train instead of building ``config.model`` (``rayspec.fit``); trained from their
+            current weights.
+        data: the data to train on instead of building ``config.data`` (``rayspec.fit``).
     """
     config.validate()
     ck = config.checkpoint
@@ -78,12 +85,11 @@ def prepare(config: Config, run_dir: str | os.PathLike | None = None) -> Prepare
                 f"train.max_steps={config.train.max_steps}; raise train.max_steps to train on"
             )
     torch.manual_seed(config.seed)
-    data_opts = {k: v for k, v in config.data.items() if k not in ("name", "root")}
-    data = build_data(config.data["name"], root=config.data.get("root"), seed=config.seed, **data_opts)
+    data = _build_data(config) if data is None else data
     data = DataBundle(_first(data.train, config.train.train_samples), _first(data.val, config.train.val_samples),
                       data.info)
     torch.manual_seed(config.seed)  # the model's initial weights depend on the seed only
-    model = build_model(config.model["name"], data.info, config.model.get("size", "full"), **model_options(config.model))
+    model = model if model is not None else _build_model(config, data.info)
     n_train = len(data.train)  # type: ignore[arg-type]
     if config.train.batch_size > n_train:
         raise ConfigError(
@@ -93,6 +99,24 @@ def prepare(config: Config, run_dir: str | os.PathLike | None = None) -> Prepare
         return Prepared(config, data, model, [len(model)], None, folder, resume, resume_path)
     planned = _partition(model, data, config, balance=None if resume is None else list(resume["balance"]))
     return Prepared(config, data, model, list(planned.balance), planned, folder, resume, resume_path)
+
+
+def _build_data(config: Config) -> DataBundle:
+    """The data set ``config.data`` names: a registry entry (``name``) or a builder of one's own (``_target_``)."""
+    if TARGET in config.data:
+        return build_target_data(config.data, config.seed)
+    options = {k: v for k, v in config.data.items() if k not in ("name", "root")}
+    return build_data(config.data["name"], root=config.data.get("root"), seed=config.seed, **options)
+
+
+def _build_model(config: Config, info: DataInfo | None) -> nn.Sequential:
+    """The model ``config.model`` names: a registry entry (``name``) or a builder of one's own (``_target_``)."""
+    if TARGET in config.model:
+        return build_target_model(config.model, info)
+    if info is None:
+        raise ConfigError(f"model={config.model['name']} needs the data's DataInfo, but data._target_="
+                          f"{config.data.get(TARGET)} returned none; return (train, val, DataInfo(...)) from it")
+    return build_model(config.model["name"], info, config.model.get("size", "full"), **model_options(config.model))
 
 
 def _first(dataset: Any, count: int | None) -> Any:

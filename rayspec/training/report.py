@@ -12,11 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from rayspec.config import Config
 from rayspec.data.loader import eval_batches
+from rayspec.models import MODELS
 from rayspec.partition import human_bytes
 from rayspec.training.prepare import Prepared
 
-__all__ = ["evaluate", "report_stages", "write_summary"]
+__all__ = ["evaluate", "report_stages", "write_summary", "model_size"]
 
 
 @torch.no_grad()
@@ -57,8 +59,8 @@ def write_summary(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     """The run's ``summary.json`` (docs/design.md §5), the same keys for every method; written, echoed and returned."""
     c, p = prepared.config, prepared.config.pipeline
     summary = {
-        "method": p.method, "variant": p.variant, "stages": p.stages, "model": c.model["name"],
-        "model_size": c.model.get("size", "full"), "dataset": c.data["name"], "executor": p.executor,
+        "method": p.method, "variant": p.variant, "stages": p.stages, "model": c.model_name,
+        "model_size": model_size(c), "dataset": c.data_name, "executor": p.executor,
         "transport": transport, "balance": prepared.balance, "updates": updates,
         "final_train_loss": last_loss, "val_loss": evals.get("val_loss"), "val_accuracy": evals.get("val_accuracy"),
         "samples_per_s": updates * c.train.batch_size / max(train_s, 1e-9), "train_s": train_s,
@@ -69,3 +71,11 @@ def write_summary(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     echo(f"done: {updates} updates, final loss {last_loss:.4f}, val_accuracy {summary['val_accuracy']}, "
          f"{summary['samples_per_s']:.1f} samples/s; wrote {run_dir}")
     return summary
+
+
+def model_size(config: Config) -> str | None:
+    """``model.size`` of a registry model (``full`` when unset); a model of one's own has a size only if its
+    config gives one."""
+    if config.model.get("name") in MODELS:
+        return config.model.get("size", "full")
+    return config.model.get("size")

@@ -7,10 +7,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from rayspec.config import Config
 from rayspec.core.methods import METHODS
+from rayspec.data import DataBundle
+from rayspec.training.loggers import with_wandb_id
 from rayspec.training.prepare import prepare
 from rayspec.training.progress import notify
+from rayspec.training.report import model_size
 
 __all__ = ["train"]
 
@@ -22,6 +27,8 @@ def train(
     callbacks: Sequence[Any] = (),
     placement_group: Any = None,
     bundle_offset: int = 0,
+    model: nn.Sequential | None = None,
+    data: DataBundle | None = None,
 ) -> dict[str, Any]:
     """Train as configured and write ``metrics.jsonl``, ``summary.json`` and ``model.pt`` into ``run_dir``.
 
@@ -29,7 +36,9 @@ def train(
         config: a validated ``Config``.
         run_dir: where the run's files go (created).
         echo: prints one console line.
-        callbacks: objects with any of ``on_start(config)``, ``on_metrics(record)`` (every record written
+        callbacks: objects with any of ``on_resume(step, checkpoint_path)`` (before ``on_start`` when the run
+            resumes from a checkpoint), ``on_start(config)`` (the config as run: with ``logger.id`` set for W&B),
+            ``on_metrics(record)`` (every record written
             to ``metrics.jsonl``: per-step ``loss`` records and per-evaluation ``val_*`` records) and
             ``on_end(summary)``; ``on_end`` is also called, with ``None``, when training fails. Pipeline methods
             also call ``on_weights(step, state_dict)`` at every evaluation with the merged weights evaluated,
@@ -39,17 +48,21 @@ def train(
         placement_group: a Ray placement group to create the stage actors in (a Tune trial's), stage ``k``
             in bundle ``bundle_offset + k``; by default the Ray executor creates its own.
         bundle_offset: the first stage bundle in ``placement_group``.
+        model: blocks to train instead of building ``config.model`` (``rayspec.fit``).
+        data: data to train on instead of building ``config.data`` (``rayspec.fit``).
 
     Returns:
         The run summary (also written to ``summary.json``).
     """
-    prepared = prepare(config, run_dir)
+    prepared = prepare(config, run_dir, model, data)
+    config = prepared.config = with_wandb_id(config, prepared.resume)  # [Note: W&B resume]
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     c, p = config, config.pipeline
     n_blocks = ", ".join(str(b) for b in prepared.balance)
-    echo(f"rayspec: {p.method} ({p.variant}) on {p.stages} stages [{n_blocks} blocks], model={c.model['name']}"
-         f"/{c.model.get('size', 'full')}, data={c.data['name']}, executor={p.executor}"
+    size = model_size(c)
+    echo(f"rayspec: {p.method} ({p.variant}) on {p.stages} stages [{n_blocks} blocks], model={c.model_name}"
+         f"{'/' + size if size else ''}, data={c.data_name}, executor={p.executor}"
          + (f", {p.group} micro-batches per update" if p.group > 1 else ""))
     if prepared.plan is not None:
         echo(f"partition ({prepared.plan.partition}, times per micro-batch on this machine's CPU):")
@@ -57,6 +70,7 @@ def train(
             echo("  " + line)
     if prepared.resume is not None:
         echo(f"resuming from {prepared.resume_path} (update {prepared.resume['step']})")
+        notify(callbacks, "on_resume", prepared.resume["step"], prepared.resume_path)
     notify(callbacks, "on_start", config)
     try:
         if not METHODS[p.method].pipelined:  # whole-model replicas on Ray Train (rayspec.training.dataparallel)

@@ -1,4 +1,5 @@
-"""Ray cluster helpers: start or join Ray, size and reserve the stage bundles, read what a failure means."""
+"""Ray cluster helpers: size and reserve the stage bundles, read what a failure means (starting or joining Ray:
+``rayspec.exec.ray.connect``)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,10 @@ import math
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from rayspec.config import RayConfig
 from rayspec.errors import ConfigError
 
-__all__ = ["ensure_ray", "stage_resources", "default_gpus", "reserve_stages", "bundle_resources", "actor_died",
+__all__ = ["stage_resources", "default_gpus", "reserve_stages", "bundle_resources", "actor_died",
            "task_cause"]
-
-
-def ensure_ray(options: RayConfig) -> None:
-    """Start Ray with the config's ``ray`` section (``address``, ``num_cpus``, ``log_to_driver``) unless it runs."""
-    if not ray.is_initialized():
-        ray.init(address=options.address, num_cpus=options.num_cpus, include_dashboard=False,
-                 log_to_driver=options.log_to_driver)
 
 
 def stage_resources(cpus: float | None, gpus: float | None, stages: int, reserved_cpus: float = 0.0) -> tuple[float, float]:

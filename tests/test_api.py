@@ -1,0 +1,104 @@
+"""The Python entry points (rayspec/training/api.py, rayspec/config/settings.py): ``rayspec.fit`` trains blocks and
+data sets of one's own with the trainer, on Ray as locally; ``rayspec.run`` takes a Config or overrides."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+import rayspec
+from rayspec.config import Config, ConfigError
+from rayspec.config.schema import SECTIONS
+from rayspec.config.settings import FIELDS
+from rayspec.models import ModelError
+from rayspec.partition import PartitionError
+
+
+def data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two classes split by the sign of the first input."""
+    x = torch.randn(n, 6, generator=torch.Generator().manual_seed(seed))
+    return x, (x[:, 0] > 0).long()
+
+
+def blocks() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(6, 16), nn.ReLU()), nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.Linear(16, 2)]
+
+
+SETTINGS = {"max_steps": 12, "batch_size": 16, "lr": 0.1, "log_every": 4, "eval_every": 6}
+
+
+def test_fit_trains_the_blocks_in_place_and_writes_a_run(tmp_path):
+    net = blocks()
+    before = copy.deepcopy(nn.Sequential(*net).state_dict())
+    summary = rayspec.fit(net, data(256, 0), data(64, 1), method="pipedream", stages=3, run_dir=tmp_path,
+                          executor="local", echo=lambda _: None, **SETTINGS)
+    assert (summary["method"], summary["stages"], summary["updates"], summary["model"]) == ("pipedream", 3, 12, "blocks")
+    assert summary["val_accuracy"] is not None and summary["balance"] == [1, 1, 1]
+    after = nn.Sequential(*net).state_dict()
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(after[k], saved[k]) for k in saved)  # the blocks hold the run's final weights
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_accuracy" in r] == [6, 12]
+    config = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())
+    assert config["optim"]["lr"] == 0.1 and config["model"]["blocks"] == 3
+    again = rayspec.fit(nn.Sequential(*blocks()), data(256, 0), data(64, 1), method="pipedream", stages=3,
+                        run_dir=tmp_path / "again", executor="local", echo=lambda _: None,
+                        train={"max_steps": 12, "batch_size": 16, "log_every": 4, "eval_every": 6}, optim={"lr": 0.1})
+    assert again["final_train_loss"] == summary["final_train_loss"]  # sections as mappings: the same run
+
+
+def test_fit_on_ray_equals_fit_in_one_process(tmp_path, ray_session):
+    """A driver actor and a Ray actor per stage give the local executor's weights exactly."""
+    nets = {executor: blocks() for executor in ("local", "ray")}
+    for executor, net in nets.items():
+        rayspec.fit(net, data(128, 0), data(32, 1), stages=2, run_dir=tmp_path / executor, executor=executor,
+                    cpus_per_stage=0.5, echo=lambda _: None, max_steps=6, batch_size=16, lr=0.1, log_every=3)
+    local, ray = (nn.Sequential(*nets[e]).state_dict() for e in ("local", "ray"))
+    assert all(torch.equal(local[k], ray[k]) for k in local)
+
+
+def test_fit_names_what_does_not_fit(tmp_path):
+    with pytest.raises(ConfigError, match="lrr=0.1 is not a setting; did you mean lr\\?"):
+        rayspec.fit(blocks(), data(64, 0), run_dir=tmp_path, lrr=0.1)
+    with pytest.raises(ConfigError, match="optim\\['rate'\\] is not a optim setting"):
+        rayspec.fit(blocks(), data(64, 0), run_dir=tmp_path, optim={"rate": 0.1})
+    with pytest.raises(ModelError, match="rayspec.fit\\(blocks\\) returned a builtins.str"):
+        rayspec.fit("mlp", data(64, 0), run_dir=tmp_path)
+    with pytest.raises(PartitionError, match="pipeline.stages=9 but the model has 3 blocks"):
+        rayspec.fit(blocks(), data(64, 0), stages=9, run_dir=tmp_path, executor="local", batch_size=16)
+
+
+def test_every_field_name_belongs_to_one_section():
+    names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names)) == len(FIELDS)
+
+
+def test_run_takes_overrides_or_a_config(tmp_path):
+    summary = rayspec.run(["debug=smoke", "pipeline.executor=local", "pipeline.stages=2"], tmp_path / "a",
+                          echo=lambda _: None)
+    assert (summary["stages"], summary["updates"], summary["model_size"]) == (2, 4, "tiny")
+    assert (tmp_path / "a" / ".hydra" / "config.yaml").exists()
+    config = Config()
+    config.pipeline.executor, config.pipeline.stages, config.train.max_steps = "local", 2, 3
+    config.train.train_samples, config.train.log_every = 256, 3
+    assert rayspec.run(config, tmp_path / "b", echo=lambda _: None)["updates"] == 3
+    with pytest.raises(ConfigError, match=r"give a Config or a list of overrides, e\.g\. \['debug=smoke'\]"):
+        rayspec.run("debug=smoke", tmp_path / "c")
+
+
+def test_a_default_run_dir_is_hydras_layout(tmp_path, monkeypatch):
+    from rayspec.training.api import new_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    first = new_run_dir()
+    first.mkdir(parents=True)
+    second = new_run_dir()
+    assert first.parts[0] == "outputs" and len(first.parts) == 3 and second != first
