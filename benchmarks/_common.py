@@ -20,7 +20,7 @@ def start_ray(num_cpus: int | None = None) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
 
 
 def machine() -> str:

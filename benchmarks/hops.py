@@ -94,7 +94,7 @@ def measure_ray(niceness: int | None, sizes: list[int], count: int) -> dict[str,
         os.environ.pop("RAY_worker_niceness", None)
     else:
         os.environ["RAY_worker_niceness"] = str(niceness)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}})
     try:
         out: dict[str, Any] = {"sizes": {}}

@@ -25,7 +25,7 @@ def ray_session():
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a recorded head
     yield ray
     ray.shutdown()
 
