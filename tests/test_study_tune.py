@@ -54,16 +54,24 @@ class Spans(tune.Callback):
         self.spans[str(trial)][1] = time.monotonic()
 
 
-def test_a_study_on_tune_reports_what_the_sequential_runner_reports(tmp_path, ray_session):
-    """The baseline first as its own Tune experiment, then two method trials side by side: every figure of the
-    report equals the sequential runner's; the same study again resumes through Tune and trains only what is
-    missing."""
-    path = write_study(tmp_path / "tiny.yaml")
-    sequential = run_study(load_study(str(path), output_dir=str(tmp_path / "seq")), echo=lambda line: None)
+@pytest.fixture(scope="module")
+def studies(ray_session, tmp_path_factory):
+    """A tiny study (a baseline, gpipe and spectrain at 2 stages) by the sequential runner and on Tune with two
+    trials at once."""
+    root = tmp_path_factory.mktemp("study")
+    path = write_study(root / "tiny.yaml")
+    sequential = run_study(load_study(str(path), output_dir=str(root / "seq")), echo=lambda line: None)
     lines: list[str] = []
     spans = Spans()
-    tuned = tune_study(load_study(str(path), output_dir=str(tmp_path / "tune")), echo=lines.append,
+    tuned = tune_study(load_study(str(path), output_dir=str(root / "tune")), echo=lines.append,
                        max_concurrent_trials=2, callbacks=[spans])
+    return root, path, sequential, tuned, lines, spans
+
+
+def test_a_study_on_tune_reports_what_the_sequential_runner_reports(studies):
+    """The baseline first as its own Tune experiment, then two method trials side by side: every figure of the
+    report equals the sequential runner's."""
+    root, _, sequential, tuned, lines, spans = studies
     assert tuned["table"] == sequential["table"] and tuned["markdown"] == sequential["markdown"]
     seq_runs, tune_runs = ({r["name"]: r for r in p["runs"]} for p in (sequential, tuned))
     assert set(tune_runs) == set(seq_runs) == {"sequential-n1-seed0", "gpipe-n2-seed0", "spectrain-paper-n2-seed0"}
@@ -72,7 +80,7 @@ def test_a_study_on_tune_reports_what_the_sequential_runner_reports(tmp_path, ra
         assert (tune_runs[name]["final"], tune_runs[name]["curves"]) == (run["final"], run["curves"]), name
     assert tune_runs["spectrain-paper-n2-seed0"]["final"]["distance"] > 1e-6  # compared with the baseline
     for name in ("study.md", "study_results.json", "learning_curves.png", "distance.png", "prediction.png"):
-        assert (tmp_path / "tune" / name).exists(), name
+        assert (root / "tune" / name).exists(), name
     baseline, a, b = (spans.spans[name] for name in ("sequential-n1-seed0", "gpipe-n2-seed0",
                                                       "spectrain-paper-n2-seed0"))
     assert baseline[1] <= min(a[0], b[0])  # the baseline first
@@ -80,10 +88,15 @@ def test_a_study_on_tune_reports_what_the_sequential_runner_reports(tmp_path, ra
     assert (2, 0.0) in spans.steps and max(n for n, _ in spans.steps) == 2
     assert "(3 trained now)" in lines[-1]
 
-    # again, after a run's folder was removed: both experiments are restored, and only that run trains anew
-    shutil.rmtree(tmp_path / "tune" / "runs" / "gpipe-n2-seed0")
+
+@pytest.mark.slow
+def test_a_study_on_tune_resumes_through_tune(studies):
+    """The same study again, after a run's folder was removed: both experiments are restored, and only that run
+    trains anew."""
+    root, path, sequential, _, _, _ = studies
+    shutil.rmtree(root / "tune" / "runs" / "gpipe-n2-seed0")
     again: list[str] = []
-    resumed = tune_study(load_study(str(path), output_dir=str(tmp_path / "tune")), echo=again.append,
+    resumed = tune_study(load_study(str(path), output_dir=str(root / "tune")), echo=again.append,
                          max_concurrent_trials=2)
     assert any("resuming the baselines trials" in line for line in again)
     assert any("resuming the methods trials" in line for line in again)

@@ -143,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (StudyError, *USER_ERRORS) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:
+        print(f"rayspec.study: interrupted{f': {err}' if str(err) else ''}", file=sys.stderr)
+        return 130
     failed = [r["name"] for r in payload["runs"] if r["status"] == "failed"]
     if failed:
         print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}; see their train.log under "

@@ -16,7 +16,8 @@ weights. The price is a barrier: no method starts before the last baseline ends.
 study runs again with the same runs and overrides; a trial whose ``run.json`` shows it finished is not trained
 again, so a changed study starts new experiments that train only what is missing. A trial that was cut off
 trains its run afresh; a run that failed (or whose folder was removed) in a trial Tune counts as done is trained
-in a new experiment after the restored one, as the sequential runner retrains it.
+in a new experiment after the restored one, as the sequential runner retrains it. On Ctrl-C Tune saves its state
+and returns; the study then stops (``KeyboardInterrupt``) instead of reporting a part of its runs.
 """
 
 from __future__ import annotations
@@ -167,11 +168,12 @@ def tune_study(study: Study, resume: bool = True, echo: Callable[[str], None] = 
         echo(f"rayspec.study: {phase}: {len(specs)} Ray Tune trial{'s' * (len(specs) != 1)}, at most "
              f"{max_concurrent_trials or 'as many as the cluster holds'} at once")
         tuner, restored = _tuner(study, phase, spaces[phase], specs, max_concurrent_trials, resume, echo, callbacks)
-        results = tuner.fit()
+        results = _fit(tuner, phase, len(specs))
         if restored and any(finished_record(spec, runs_dir / spec.name) is None for spec in specs):
             # a run that failed, or whose folder was removed since, in a trial that Tune counts as done
             echo(f"rayspec.study: the restored {phase} trials left runs unfinished; training them anew")
-            results = _tuner(study, phase, spaces[phase], specs, max_concurrent_trials, False, echo, callbacks)[0].fit()
+            results = _fit(_tuner(study, phase, spaces[phase], specs, max_concurrent_trials, False, echo, callbacks)[0],
+                           phase, len(specs))
         for result in results:
             name = _spec(study, result.config).name
             if result.error is not None:
@@ -181,10 +183,23 @@ def tune_study(study: Study, resume: bool = True, echo: Callable[[str], None] = 
             state = "no run.json" if record is None else outcome(record)
             when = " (finished earlier, skipped)" if spec.name in earlier else ""
             echo(f"  {spec.label} N={spec.stages} seed {spec.seed}: {errors.get(spec.name, state)}{when}")
-    records: dict[str, dict[str, Any]] = {}
-    for spec in runs:
-        record = read_record(runs_dir / spec.name)
-        if record is None or record.get("overrides") != spec.overrides:
-            record = failed_record(study, spec, errors.get(spec.name, "the trial left no run.json"))
-        records[spec.name] = record
+    records = {spec.name: _record(runs_dir, spec)
+               or failed_record(study, spec, errors.get(spec.name, "the trial left no run.json")) for spec in runs}
     return report_study(study, runs, records, len(runs) - len(earlier), echo)
+
+
+def _fit(tuner: Any, phase: str, trials: int) -> Any:
+    """Run a phase's ``trials`` trials; ``KeyboardInterrupt`` when Tune stopped on an interrupt (it saves its state
+    and returns instead of raising), so that no report is written from a part of the runs. Every trial that ran to
+    its end reported once; a trial stopped by the interrupt reported nothing (and counts as terminated)."""
+    results = tuner.fit()
+    cut = trials - sum(1 for r in results if r.error is not None or "status" in (r.metrics or {}))
+    if cut:
+        raise KeyboardInterrupt(f"{cut} {phase} trial(s) did not finish; the same command resumes the study")
+    return results
+
+
+def _record(runs: Path, spec: RunSpec) -> dict[str, Any] | None:
+    """The ``run.json`` of ``spec`` (whatever its status), None when there is none for its overrides."""
+    record = read_record(runs / spec.name)
+    return record if record is not None and record.get("overrides") == spec.overrides else None
