@@ -122,10 +122,10 @@ def _tuner(study: Study, phase: str, space: dict[str, Any], specs: Sequence[RunS
     if resume and saved == state and tune.Tuner.can_restore(path):
         echo(f"rayspec.study: resuming the {phase} trials from {path}")
         return tune.Tuner.restore(str(path), trainable, resume_errored=True), True
-    if path.exists():  # another plan: a new experiment; runs finished earlier are skipped by their trials
+    if path.exists():  # a new experiment; runs finished earlier are skipped by their trials
         aside = path.with_name(f"{phase}-{time.strftime('%Y%m%d-%H%M%S')}")
         path.rename(aside)
-        echo(f"rayspec.study: the {phase} trials in {aside} were another plan; starting new ones")
+        echo(f"rayspec.study: moved the earlier {phase} trials to {aside}; starting new ones")
     root.mkdir(parents=True, exist_ok=True)
     state_file.write_text(json.dumps(state))
     config = tune.TuneConfig(num_samples=1, max_concurrent_trials=max_concurrent_trials, trial_name_creator=_dirname,
