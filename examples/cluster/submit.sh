@@ -10,14 +10,15 @@
 # dependencies installed. Point hydra.run.dir (and data.root) at storage that outlives the job.
 # The exit status is the job's: 0 only when it succeeded.
 #
-# Environment: RAY (the ray command, default `ray`), RAY_AUTH_MODE (default: token when a token
+# Environment: ENTRY (the module the job runs, default rayspec.train; submit_study.sh sets rayspec.study),
+# RAY (the ray command, default `ray`), RAY_AUTH_MODE (default: token when a token
 # is at hand in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; a cluster started with
 # RAY_AUTH_MODE=disabled ignores it), SUBMIT_OPTIONS (more `ray job submit` options, e.g.
 # "--submission-id lstm-1 --entrypoint-num-cpus 1").
 set -euo pipefail
 
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    echo "usage: $0 ADDRESS [training overrides...]   (ADDRESS: the head's dashboard, e.g. http://HEAD:8265)" >&2
+    echo "usage: $0 ADDRESS [arguments of python -m ${ENTRY:-rayspec.train}...]   (ADDRESS: the head's dashboard, e.g. http://HEAD:8265)" >&2
     exit 2
 fi
 address=$1
@@ -29,4 +30,4 @@ if [ -z "${RAY_AUTH_MODE:-}" ] && { [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -n "${RAY_
 fi
 # shellcheck disable=SC2086  # SUBMIT_OPTIONS is a list of words
 exec "${RAY:-ray}" job submit --address "$address" --working-dir "$root" ${SUBMIT_OPTIONS:-} -- \
-    python -m rayspec.train "$@"
+    python -m "${ENTRY:-rayspec.train}" "$@"

@@ -24,7 +24,7 @@ from rayspec.training.prepare import prepare
 
 __all__ = ["STUDIES", "METHODS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
            "find_study", "load_study", "run_config", "has_dropout", "plan_runs", "run_name", "with_overrides", "predicts",
-           "study_settings"]
+           "study_settings", "RUNNERS", "baseline_stages", "run_spec"]
 
 STUDIES = CONF / "study"
 METHODS: dict[str, list[str]] = {
@@ -46,7 +46,10 @@ DEFAULT_METHODS = ["async", "pipedream", "spectrain-paper", "spectrain-consisten
 BASELINE = "sequential"
 """The label of the baseline runs: ``vanilla``, which is sequential SGD."""
 FILE_KEYS = ("name", "description", "overrides", "methods", "stages", "seeds", "output_dir", "threads")
-CLI_KEYS = ("study", "output_dir", "resume", "methods", "stages", "seeds", "executor", "threads")
+CLI_KEYS = ("study", "output_dir", "resume", "methods", "stages", "seeds", "executor", "threads", "runner",
+            "max_concurrent_trials")
+RUNNERS = ("sequential", "tune")
+"""How a study's runs are trained: one after another in this process, or as Ray Tune trials (``runner=``)."""
 RUN_FILE = "run.json"
 TRAJECTORY_FILE = "trajectory.pt"
 FINISHED = ("ok", "diverged")
@@ -248,16 +251,24 @@ def has_dropout(model: Any) -> bool:
     return False
 
 
+def baseline_stages(study: Study) -> list[int]:
+    """The stage counts the baseline trains at: one (bit-exactly sequential SGD), or each of the study's."""
+    return list(study.stages) if study.per_stage_baseline else [1]
+
+
+def run_spec(study: Study, label: str, stages: int, seed: int) -> RunSpec:
+    """The run of ``label`` at ``stages`` and ``seed``, with its baseline and overrides."""
+    reference = None if label == BASELINE else run_name(BASELINE, stages if study.per_stage_baseline else 1, seed)
+    return with_overrides(study, RunSpec(label, stages, seed, reference))
+
+
 def plan_runs(study: Study) -> list[RunSpec]:
     """Every run of the study in order: per seed the baseline(s), then each stage count's methods."""
     runs: list[RunSpec] = []
     for seed in study.seeds:
-        for n in study.stages if study.per_stage_baseline else [1]:
-            runs.append(RunSpec(BASELINE, n, seed, None))
-        for n in study.stages:
-            reference = run_name(BASELINE, n if study.per_stage_baseline else 1, seed)
-            runs += [RunSpec(label, n, seed, reference) for label in study.methods]
-    return [with_overrides(study, spec) for spec in runs]
+        runs += [run_spec(study, BASELINE, n, seed) for n in baseline_stages(study)]
+        runs += [run_spec(study, label, n, seed) for n in study.stages for label in study.methods]
+    return runs
 
 
 def with_overrides(study: Study, spec: RunSpec) -> RunSpec:

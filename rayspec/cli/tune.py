@@ -20,11 +20,12 @@ from typing import Any
 
 from rayspec.cli.common import USER_ERRORS, split_args
 from rayspec.cli.sweep import METRICS, Sweep, SweepError, available, load_sweep, loggers, trial_overrides
-from rayspec.config import from_mapping
+from rayspec.config import PipelineConfig, from_mapping
 from rayspec.config.compose import compose, override_key
 from rayspec.errors import ConfigError
 
-__all__ = ["run_sweep", "trial", "param_space", "write_results", "best_row", "report_lines", "parse_args", "main"]
+__all__ = ["run_sweep", "trial", "trial_bundles", "param_space", "write_results", "best_row", "report_lines", "parse_args",
+           "main"]
 
 CLI_KEYS = ("sweep", "storage_path", "resume", "num_samples", "max_concurrent_trials")
 STATE = "rayspec_sweep.json"
@@ -69,14 +70,21 @@ class _Resources:
             p = from_mapping(compose(overrides)).pipeline
         except (HydraException, ConfigError):  # the trial itself reports the error; it needs only its driver
             return [{"CPU": self.setup.driver_cpus or 1.0}], "PACK"
-        if p.executor == "local":
-            return [{"CPU": self.setup.driver_cpus or 1.0}], "PACK"
-        driver = self.setup.driver_cpus or 0.1
-        from rayspec.exec.ray.cluster import stage_resources
+        return trial_bundles(p, self.setup.driver_cpus)
 
-        cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages, reserved_cpus=driver)
-        stage = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-        return [{"CPU": driver}] + [dict(stage) for _ in range(p.stages)], p.placement.upper()
+
+def trial_bundles(p: PipelineConfig, driver_cpus: float | None = None) -> tuple[list[dict[str, float]], str]:
+    """The placement group of one trial that trains with pipeline settings ``p``, as bundles and a strategy: with
+    ``pipeline.executor=local`` one bundle of ``driver_cpus`` (default 1) for the trial's process, which trains every
+    stage; with Ray stages a driver bundle (default 0.1 CPU) and one bundle per stage (``stage_resources``)."""
+    if p.executor == "local":
+        return [{"CPU": driver_cpus or 1.0}], "PACK"
+    driver = driver_cpus or 0.1
+    from rayspec.exec.ray.cluster import stage_resources
+
+    cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages, reserved_cpus=driver)
+    stage = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    return [{"CPU": driver}] + [dict(stage) for _ in range(p.stages)], p.placement.upper()
 
 
 class _Reporter:

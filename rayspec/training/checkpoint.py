@@ -7,7 +7,8 @@ its random stream; PipeDream's stashes are empty, since each stashed version is 
 backward that used it. The data position is the number of updates done (one batch each).
 Asynchronous methods therefore drain at every checkpoint, as at every evaluation: a run's
 trajectory depends on ``checkpoint.every``, and a resumed run equals an uninterrupted one with the
-same settings exactly.
+same settings exactly. It can also be resumed on another partition of the stages: its state is then re-split
+by parameter name (``rayspec.training.resplit``).
 
 A checkpoint is one ``torch.save`` file holding only tensors, numbers, strings, lists and dicts,
 so ``torch.load(weights_only=True)`` reads it without running pickled code. It is written to a
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from rayspec.config import Config
+from rayspec.core.methods import METHODS
 from rayspec.errors import ConfigError
 
 __all__ = ["CheckpointStore", "load_checkpoint", "resolve_resume", "check_compatible", "payload", "FORMAT"]
@@ -38,11 +40,12 @@ FORMAT = 1
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 
 # Settings a checkpoint's state depends on; resuming with another value of any of them is refused.
-# Everything else (max_steps, logging, evaluation, executor, transport, resources) may change.
+# Everything else (max_steps, logging, evaluation, executor, transport, resources) may change, and so may the
+# layout of a pipeline (pipeline.stages, balance, partition): its state is re-split (rayspec.training.resplit).
 _FIXED = (
     ("model",), ("data",), ("seed",), ("pipeline", "method"), ("pipeline", "variant"), ("pipeline", "predictor"),
     ("pipeline", "backward"),
-    ("pipeline", "stages"), ("pipeline", "microbatches"), ("pipeline", "accumulate"), ("train", "batch_size"),
+    ("pipeline", "microbatches"), ("pipeline", "accumulate"), ("train", "batch_size"),
     ("train", "train_samples"),
     ("optim", "momentum"), ("optim", "weight_decay"), ("optim", "dampening"), ("optim", "nesterov"),
 )
@@ -130,17 +133,27 @@ def check_compatible(saved: dict[str, Any], config: Config, path: Path) -> None:
             name = ".".join(key)
             raise ConfigError(
                 f"checkpoint.resume: {path} was written with {name}={a!r} but this run has {name}={b!r}; "
-                f"resume with the same {name} (only max_steps, logging, evaluation and resources may change)"
+                f"resume with the same {name} (only max_steps, logging, evaluation, resources and the pipeline's "
+                "layout may change)"
             )
+    stages = _get(saved, ("pipeline", "stages"))
+    if not METHODS[config.pipeline.method].pipelined and stages != config.pipeline.stages:
+        raise ConfigError(
+            f"checkpoint.resume: {path} was written by {stages} {config.pipeline.method} workers but this run has "
+            f"pipeline.stages={config.pipeline.stages}; resume with pipeline.stages={stages} (each worker's random "
+            "stream is in the checkpoint)"
+        )
 
 
 def payload(config: Config, balance: list[int], stages: list[dict[str, Any]], train_s: float,
-            evals: dict[str, float]) -> dict[str, Any]:
+            evals: dict[str, float], layout_changes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """What a checkpoint holds besides its format and step: the run's settings (as JSON), the partition,
-    every stage's state (``Stage.checkpoint_state``), the training seconds so far, the last evaluation and the
-    W&B run id (``logger.id``, None without W&B), which a resumed run continues."""
+    every stage's state (``Stage.checkpoint_state``), the training seconds so far, the last evaluation, the
+    run's changes of partition on resuming (``rayspec.training.resplit``) and the W&B run id (``logger.id``,
+    None without W&B), which a resumed run continues."""
     return {"config": json.dumps(asdict(config), default=str), "balance": list(balance), "stages": stages,
-            "train_s": train_s, "evals": json.dumps(evals), "wandb_id": (config.logger or {}).get("id")}
+            "train_s": train_s, "evals": json.dumps(evals), "layout_changes": list(layout_changes or []),
+            "wandb_id": (config.logger or {}).get("id")}
 
 
 def _get(tree: dict[str, Any], key: tuple[str, ...], missing: Any = None) -> Any:

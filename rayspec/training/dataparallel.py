@@ -209,7 +209,7 @@ def run_dataparallel(prepared: Prepared, run_dir: Path, echo: Callable[[str], No
                             evals=evals, train_s=train_s, wall_s=time.perf_counter() - t_start, bubble=bubble,
                             bytes_per_update=allreduced, stats=stage_stats,
                             extra={"restarts": [], "checkpoint": str(store.last_saved or prepared.resume_path),
-                                   "resumed_from": None if prepared.resume is None else start})
+                                   "resumed_from": None if prepared.resume is None else start, "layout_changes": []})
     return summary
 
 

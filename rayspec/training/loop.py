@@ -22,6 +22,7 @@ from rayspec.training.failures import Restarts, StageDied, reraise
 from rayspec.training.prepare import Prepared, build_stages, split_batches
 from rayspec.training.progress import Progress, keep_metrics, notify
 from rayspec.training.report import evaluate, report_stages, write_summary
+from rayspec.training.resplit import resumed_states
 from rayspec.training.trace import bubble_fraction, write_chrome_trace, write_gantt
 
 __all__ = ["run", "make_executor"]
@@ -99,8 +100,10 @@ def _run_segments(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     c, p, ck = prepared.config, prepared.config.pipeline, prepared.config.checkpoint
     stages = build_stages(prepared)  # on CPU; a stage actor given a GPU moves its stage there
     done, run_s, evals = 0, 0.0, {}
+    changes: list[dict[str, Any]] = []  # re-splits of the run's state onto another partition, oldest first
     if resume is not None:
-        for stage, state in zip(stages, resume["stages"]):
+        states, changes = resumed_states(resume, prepared.model, prepared.balance, c.seed)
+        for stage, state in zip(stages, states):
             stage.load_checkpoint_state(state)
         done, run_s, evals = resume["step"], float(resume["train_s"]), json.loads(resume["evals"])
     group, end = p.group, c.train.max_steps
@@ -141,7 +144,8 @@ def _run_segments(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
                         progress.write({"step": done, **evals, **scored})
                         echo(f"eval  {done:>6}  val_loss {evals['val_loss']:.4f}  val_accuracy {evals['val_accuracy']:.4f}")
                     if done == end or (ck.every and done % ck.every == 0):
-                        store.save(done, payload(c, prepared.balance, executor.checkpoint_states(), run_s, evals))
+                        store.save(done, payload(c, prepared.balance, executor.checkpoint_states(), run_s, evals,
+                                                         changes))
                 progress.flush()
                 state = executor.state_dict()
                 stats = executor.stage_stats()
@@ -162,7 +166,8 @@ def _run_segments(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
         live.clear()
     torch.save(state, run_dir / "model.pt")
     # Idle share of stage time while the pipeline ran (evaluations excluded); exact action spans with a trace.
-    bubble = 1.0 - report_stages(stats, run_s, echo)
+    # The stages' counters start afresh at a re-split: their share is of the time since.
+    bubble = 1.0 - report_stages(stats, run_s - (changes[-1]["train_s"] if changes else 0.0), echo)
     if timeline is not None:
         bubble = bubble_fraction(timeline, segments)
         write_chrome_trace(timeline, run_dir / "trace.json", name=f"rayspec {p.method} {p.stages} stages")
@@ -174,7 +179,8 @@ def _run_segments(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
                             bubble=bubble, bytes_per_update=sent / max(done, 1), stats=stats,
                             extra={"restarts": restarts, "checkpoint": str(_last(store, prepared)),
                                    **({"stage_nodes": nodes, "driver_node": _this_node()} if nodes else {}),
-                                   "resumed_from": None if prepared.resume is None else prepared.resume["step"]})
+                                   "resumed_from": None if prepared.resume is None else prepared.resume["step"],
+                                   "layout_changes": changes})
     return summary
 
 

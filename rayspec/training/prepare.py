@@ -69,16 +69,12 @@ def prepare(config: Config, run_dir: str | os.PathLike | None = None, model: nn.
             f"{folder} already holds checkpoints of an earlier run ({earlier.name}); continue it with "
             "checkpoint.resume=auto, or start afresh in another hydra.run.dir or checkpoint.dir"
         )
-    resume = None
+    resume, kept = None, None
     if resume_path is not None:
         resume = load_checkpoint(resume_path)
-        check_compatible(json.loads(resume["config"]), config, resume_path)
-        saved = list(resume["balance"])
-        if config.pipeline.balance is not None and list(config.pipeline.balance) != saved:
-            raise ConfigError(
-                f"pipeline.balance={config.pipeline.balance} differs from the balance {saved} that {resume_path} "
-                "was written with; drop pipeline.balance to resume with the checkpoint's"
-            )
+        saved = json.loads(resume["config"])
+        check_compatible(saved, config, resume_path)
+        kept = _kept_balance(resume, saved, config)
         if resume["step"] >= config.train.max_steps:
             raise ConfigError(
                 f"checkpoint.resume: {resume_path} is at update {resume['step']}, which already reaches "
@@ -97,7 +93,7 @@ def prepare(config: Config, run_dir: str | os.PathLike | None = None, model: nn.
         )
     if not METHODS[config.pipeline.method].pipelined:  # whole-model replicas: nothing to partition
         return Prepared(config, data, model, [len(model)], None, folder, resume, resume_path)
-    planned = _partition(model, data, config, balance=None if resume is None else list(resume["balance"]))
+    planned = _partition(model, data, config, balance=kept)
     return Prepared(config, data, model, list(planned.balance), planned, folder, resume, resume_path)
 
 
@@ -119,6 +115,17 @@ def _build_model(config: Config, info: DataInfo | None) -> nn.Sequential:
     return build_model(config.model["name"], info, config.model.get("size", "full"), **model_options(config.model))
 
 
+def _kept_balance(resume: dict[str, Any], saved: dict[str, Any], config: Config) -> list[int] | None:
+    """The checkpoint's partition when this run keeps it: no ``pipeline.balance`` given, and the checkpoint's
+    stage count and ``pipeline.partition``. Else None: the partition is chosen as configured and the
+    checkpoint's state re-split onto it (``rayspec.training.resplit``)."""
+    p, balance = config.pipeline, list(resume["balance"])
+    if p.balance is not None or len(balance) != p.stages:
+        return None
+    partition = saved.get("pipeline", {}).get("partition", "uniform")
+    return balance if partition == p.partition else None
+
+
 def _first(dataset: Any, count: int | None) -> Any:
     """The first ``count`` samples of ``dataset`` (all of it for None)."""
     if dataset is None or count is None or count >= len(dataset):
@@ -134,7 +141,7 @@ def _partition(model: nn.Sequential, data: DataBundle, config: Config, balance: 
 
     ``profile`` times every block (a warm-up and the median of three runs); the other partitions
     time one run after a warm-up, enough for the table's time and activation columns. ``balance``
-    (a resumed checkpoint's) wins over the config's.
+    (a resumed checkpoint's that the run keeps) wins over the config's.
     """
     p = config.pipeline
     uniform(len(model), p.stages)  # the same clear error for too many stages, whatever the partition

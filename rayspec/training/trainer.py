@@ -71,6 +71,9 @@ def train(
     if prepared.resume is not None:
         echo(f"resuming from {prepared.resume_path} (update {prepared.resume['step']})")
         notify(callbacks, "on_resume", prepared.resume["step"], prepared.resume_path)
+        if METHODS[p.method].pipelined and list(prepared.resume["balance"]) != prepared.balance:
+            echo(f"re-splitting its partition {list(prepared.resume['balance'])} onto {prepared.balance}: weights and "
+                 "optimizer state by parameter name; new random streams, stage counters and prediction probes")
     notify(callbacks, "on_start", config)
     try:
         if not METHODS[p.method].pipelined:  # whole-model replicas on Ray Train (rayspec.training.dataparallel)
