@@ -30,6 +30,7 @@ import torch
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from rayspec.core.transports import resolve_transport
 from rayspec.exec.ray.cluster import actor_died, ensure_ray, reserve_stages, stage_resources
 from rayspec.training.checkpoint import CheckpointStore, load_checkpoint
 from rayspec.training.failures import Restarts, death
@@ -138,6 +139,7 @@ def run_in_driver(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     owned = None
     if placement_group is None:
         cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages)
+        resolve_transport(p.transport, gpus)  # refused here, before any actor starts, when it cannot carry them
         owned = placement_group = reserve_stages(p.stages, cpus, gpus, p.placement.upper())
         bundle_offset = 0
     placement = _driver_placement(placement_group, bundle_offset)
