@@ -183,6 +183,8 @@ def main() -> int:
                 got = [{"transport": transport, "method": "-", "error": f"{type(err).__name__}: {err}"[:300]}]
             rows += got
             print(f"{transport}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            if args.out:  # what was measured so far, should the run be cut short
+                _save(args, rows, gpus_total, gpus)
         if args.torch == "on" or (args.torch == "auto" and gpus >= 1):
             try:
                 rows.append(torch_row(args, data, models))
@@ -197,15 +199,24 @@ def main() -> int:
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none"
     print(f"gpu_check: {args.stages} stages, {gpu} x {gpus_total:g}, {time.perf_counter() - started:.0f} s")
     print(table([{c: r.get(c, "") for c in COLUMNS} for r in rows], COLUMNS))
-    payload = {"gpu": gpu, "gpus": gpus_total, "stages": args.stages, "gpus_per_stage": gpus, "rows": rows}
     if args.out:
-        path = Path(args.out) / "gpu_check.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"benchmark": "gpu_check", "machine": machine(), **payload}, indent=2))
-        print(f"wrote {path}")
+        print(f"wrote {_save(args, rows, gpus_total, gpus)}")
     elif args.device == "cuda":
-        print(f"wrote {write('gpu_check', payload)}")
+        print(f"wrote {write('gpu_check', _payload(args, rows, gpus_total, gpus))}")
     return 1 if any(r.get("equal") is False for r in rows) else 0
+
+
+def _payload(args: argparse.Namespace, rows: list[dict[str, Any]], gpus_total: float, gpus: float) -> dict[str, Any]:
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none"
+    return {"gpu": gpu, "gpus": gpus_total, "stages": args.stages, "gpus_per_stage": gpus, "rows": rows}
+
+
+def _save(args: argparse.Namespace, rows: list[dict[str, Any]], gpus_total: float, gpus: float) -> Path:
+    path = Path(args.out) / "gpu_check.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = _payload(args, rows, gpus_total, gpus)
+    path.write_text(json.dumps({"benchmark": "gpu_check", "machine": machine(), **payload}, indent=2))
+    return path
 
 
 if __name__ == "__main__":
