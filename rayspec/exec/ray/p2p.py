@@ -68,7 +68,7 @@ class P2PEndpoint:
     def __init__(self, ops: StageOps | None) -> None:
         self.ops = ops
         self.store: Any = None
-        self.groups: dict[str, Any] = {}
+        self.groups: dict[tuple[int, str], Any] = {}  # (lower stage, direction) -> data group
         self.backend: str | None = None
 
     def rendezvous(self, world: int, timeout_s: float) -> tuple[str, int]:
@@ -80,9 +80,11 @@ class P2PEndpoint:
 
     def join(self, address: str, port: int, rank: int, world: int, timeout_s: float, capacity: int = CAPACITY,
              backend: str = "gloo", device: str | None = None) -> None:
-        """Join the stage actors' groups as ``rank`` (the stage index): the gloo group of the headers and one data
-        group per direction on ``backend`` (``gloo`` or ``nccl``); ``device``: where received tensors go (the
-        stage's device by default); ``capacity``: bytes of a pooled buffer at the least."""
+        """Join the stage actors' groups as ``rank`` (the stage index): the gloo group of the headers and, per pair of
+        neighbours and direction, a data group of the two on ``backend`` (``gloo`` or ``nccl``: a communicator of
+        the two ranks only, created when they first exchange a message); ``device``: where received tensors go
+        (the stage's device by default); ``capacity``: bytes of a pooled buffer at the least."""
+        self.rank = rank
         self.device = torch.device(device if device is not None else self.ops.stage.device if self.ops else "cpu")
         self.wire = self.device if backend == "nccl" else torch.device("cpu")
         self.buffers = Buffers(capacity, self.wire, pin=self.wire.type == "cpu" and self.device.type == "cuda")
@@ -99,9 +101,11 @@ class P2PEndpoint:
             store = self.store if rank == 0 else dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         if backend == "nccl":
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.device.index or 0)
         self.backend = backend
-        self.groups = {d: dist.new_group(backend=backend, timeout=timeout) for d in ("F", "B")}
+        # every rank creates every group, in one order; ranks outside a group get a placeholder
+        self.groups = {(lo, d): dist.new_group(ranks=[lo, lo + 1], backend=backend, timeout=timeout)
+                       for lo in range(world - 1) for d in ("F", "B")}
 
     def run(self, ops: Sequence[P2POp], data: dict, last: bool) -> dict[int, float]:
         """Run this stage's ops of one chunk; ``data``: stage 0's inputs by ``m``, the last stage's labels by
@@ -144,6 +148,10 @@ class P2PEndpoint:
     def _link(self, peer: int, t: int) -> Link:
         return self.links.setdefault((peer, _direction(t)), Link())
 
+    def _group(self, peer: int, t: int) -> Any:
+        """The data group of this stage and its neighbour ``peer`` for message ``t``'s direction."""
+        return self.groups[(min(self.rank, peer), _direction(t))]
+
     def send(self, value: Any, peer: int, t: int) -> None:
         """Send ``value`` to stage ``peer`` as message ``t``: its header, then its payload (waited on later:
         ``wait_sends``)."""
@@ -158,7 +166,7 @@ class P2PEndpoint:
             encode(parts, payload)
             if self.wire.type == "cpu" and any(p.is_cuda for p in parts):
                 torch.cuda.current_stream().synchronize()  # gloo reads the host copy as soon as it sends
-        group = self.groups[_direction(t)]
+        group = self._group(peer, t)
         works = [(dist.isend(header, peer, tag=t), header),
                  (dist.isend(payload[:first], peer, group=group, tag=_DATA_TAG), payload)]
         if rest:
@@ -183,7 +191,7 @@ class P2PEndpoint:
         expect = self._link(peer, t).expect
         if expect is not None:
             buffer = self.buffers.take(expect)
-            payload = (dist.irecv(buffer[:expect], peer, group=self.groups[_direction(t)], tag=_DATA_TAG), buffer)
+            payload = (dist.irecv(buffer[:expect], peer, group=self._group(peer, t), tag=_DATA_TAG), buffer)
         self.posted[(peer, t)] = (dist.irecv(header, peer, tag=t), header, payload)
 
     def recv(self, peer: int, t: int) -> Any:
@@ -194,7 +202,7 @@ class P2PEndpoint:
         work.wait()
         is_tuple, specs, size = read_header(header)
         link = self._link(peer, t)
-        group = self.groups[_direction(t)]
+        group = self._group(peer, t)
         first, rest = split_sizes(size, link.expect)
         if posted is None:  # the link's first message: its size is known only now
             buffer = self.buffers.take(size)

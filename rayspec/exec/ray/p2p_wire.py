@@ -13,9 +13,10 @@ sent, so the protocol keeps to that on gloo as well (every data message has tag 
 * a payload of ``S`` bytes goes as ``max(S, expect)`` bytes when it fits (padding after it), else as
   ``expect`` bytes and then the other ``S - expect`` bytes; the first message of a link goes at its
   own size, once the receiver has read its header;
-* one direction per data group: a NCCL send waits for its receive, and a communicator runs its
-  operations in the order they were posted, so a receive posted ahead in one direction would hold up
-  a send in the other on a shared communicator.
+* one data group per pair of neighbours and direction, of those two ranks only: a NCCL send waits for
+  its receive, and a communicator runs its operations in the order they were posted, so a receive
+  posted ahead in one direction would hold up a send in the other on a shared communicator; and a
+  communicator of more ranks would be created by all of them at once, each waiting on the others.
 
 The receiver reads headers on the host (no device synchronization) and hands out views into the
 payload buffer, no copy; buffers come from a pool (``Buffers``) and are reused once no tensor refers
