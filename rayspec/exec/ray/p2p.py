@@ -159,7 +159,7 @@ class P2PEndpoint:
         size = payload_bytes(parts)
         link = self._link(peer, t)
         first, rest = split_sizes(size, link.expect)
-        if len(parts) == 1 and parts[0].numel() == size == first and parts[0].device == self.wire:
+        if len(parts) == 1 and parts[0].numel() == size == first and parts[0].device.type == self.wire.type:
             payload = parts[0]  # one tensor of the agreed size, where it travels from: its own bytes, no copy
         else:
             payload = self.buffers.take(max(size, first))
