@@ -165,7 +165,8 @@ class MicrobatchFeed:
 
 
 def stage_stats(stage: Stage) -> dict:
-    """One stage's statistics as executors report them (``Executor.stage_stats``)."""
+    """One stage's statistics as executors report them (``Executor.stage_stats``); busy times settled first."""
+    stage.clock.settle()
     return {
         "stage": stage.index,
         "device": str(stage.device),

@@ -73,7 +73,9 @@ class StageActor:
         return _contiguous(self.stage.backward(m, None, s_b, update))
 
     def pop_losses(self) -> dict[int, float]:
-        """The losses since the last call, fetched from the device at once (one synchronization per chunk)."""
+        """The losses since the last call, fetched from the device at once (one synchronization per chunk); raises
+        for a non-finite loss or gradient since the last call (``FiniteChecks``)."""
+        self.stage.checks.flush()
         out, self.losses = self.losses, {}
         if not out:
             return {}
@@ -136,6 +138,7 @@ class StageActor:
         return stage_stats(self.stage)
 
     def timeline(self) -> list[tuple[str, int, float, float]]:
+        self.stage.clock.settle()
         return self.stage.timeline
 
     def node_id(self) -> str:
@@ -143,6 +146,7 @@ class StageActor:
         return ray.get_runtime_context().get_node_id()
 
     def checkpoint_state(self) -> dict[str, Any]:
+        self.stage.clock.settle()
         return self.stage.checkpoint_state()
 
 

@@ -109,7 +109,11 @@ class CompiledEndpoint:
         with self._cond:
             self._done += 1
             self._cond.notify_all()
-        return self._error, self.ops.pop_losses()
+        try:
+            losses = self.ops.pop_losses()
+        except Exception as err:  # a non-finite value found on the device: reported like an op's error
+            self._error, losses = self._error or err, {}
+        return self._error, losses
 
     def wait(self, count: int, timeout_s: float, begun: bool = False) -> int:
         """Chunks ended (``begun``: begun) on this actor, once ``count`` have or ``timeout_s`` passed: a plain,
