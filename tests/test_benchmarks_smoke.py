@@ -139,14 +139,23 @@ def test_rayspec_vs_torch_compare(ray_session):
 
 
 @pytest.mark.slow
-def test_gpu_check_dry_run_on_cpu():
-    """The GPU check script's every path but CUDA placement: Ray stage actors equal the local executor."""
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    """The GPU check script's every path but CUDA placement, at its default sizes (the feed must not run out):
+    Ray stage actors equal the local executor, a transport the placement refuses is a row, torch's GPipe runs."""
+    import json
     import subprocess
 
     res = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--updates", "4",
-                          "--timed", "2", "--transports", "object_store"], capture_output=True, text=True,
-                         timeout=600, cwd=Path(__file__).resolve().parents[1])
+                          "--transports", "p2p,nccl", "--torch", "on", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = [line.split() for line in res.stdout.splitlines() if line.startswith("object_store")][-5:]  # the last table
-    assert [r[1] for r in rows] == ["vanilla", "gpipe", "async", "pipedream", "spectrain"]
-    assert all(r[3] == "True" for r in rows)
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    p2p = [r for r in rows if r["transport"] == "p2p"]
+    assert [r["method"] for r in p2p] == ["vanilla", "gpipe", "async", "pipedream", "spectrain"]
+    assert all(r["equal"] is True and "error" not in r for r in p2p)
+    assert all(r["samples/s"] > 0 for r in p2p if r["method"] in ("gpipe", "spectrain"))
+    nccl = next(r for r in rows if r["transport"] == "nccl")
+    assert nccl["error"].startswith("refused: pipeline.transport=nccl with pipeline.gpus_per_stage=0")
+    torch_row = next(r for r in rows if r["transport"] == "torch gpipe")
+    assert torch_row["samples/s"] > 0 and "error" not in torch_row
+    assert res.stdout.count("transport ") == 1  # one table

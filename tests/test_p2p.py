@@ -8,8 +8,18 @@ import torch
 
 from benchmarks.peer_setup import flushed_1f1b
 from rayspec.core.schedule import Action, Schedule, ScheduleError, build_schedule
-from rayspec.exec.ray.p2p_plan import plan_p2p
-from rayspec.exec.ray.p2p_wire import HEADER_BYTES, Buffers, encode, pack, read_header, views
+from rayspec.exec.ray.p2p_plan import plan_p2p, tag
+from rayspec.exec.ray.p2p_wire import (
+    HEADER_BYTES,
+    MIN_PAYLOAD,
+    Buffers,
+    encode,
+    pack,
+    payload_bytes,
+    read_header,
+    split_sizes,
+    views,
+)
 from rayspec.exec.ray.wire import DTYPES
 
 CASES = [("1f1b", n, m, g) for n in (1, 2, 3, 4, 6) for m, g in ((1, 1), (5, 1), (23, 1), (24, 4))] + [
@@ -115,14 +125,16 @@ def test_flushed_1f1b_and_every_chunk_has_work_for_every_stage():
     assert runs_without_deadlock(chunks, 2)
 
 
-def test_a_schedule_that_needs_a_later_chunk_is_refused():
-    """Stage 0 runs B1 before B0, stage 1 B0 before B1: cut after B0, stage 0's chunk 0 needs stage 1's chunk 1."""
+def test_a_schedule_whose_stages_take_messages_out_of_order_is_refused():
+    """Stage 0 runs B1 before B0, stage 1 sends B0 before B1: NCCL would match B0's gradient to B1's receive, so
+    p2p refuses the schedule (every built-in schedule keeps one order per pair of stages: the cases above)."""
     acts0 = (Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 1, True), Action(0, "B", 0, True))
     acts1 = (Action(1, "F", 0), Action(1, "F", 1), Action(1, "B", 0, True), Action(1, "B", 1, True))
     schedule = Schedule("custom", 2, 2, 1, (acts0, acts1))
-    with pytest.raises(ScheduleError, match="cannot run in chunks of 1"):
-        plan_p2p(schedule, None, 1)
-    assert runs_without_deadlock(plan_p2p(schedule, None, 2), 2)
+    for width in (1, 2):
+        with pytest.raises(ScheduleError, match=r"stage 0 take stage 1's B messages in the order \[1, 0\], not the "
+                                                r"order \[0, 1\] they are sent in"):
+            plan_p2p(schedule, None, width)
 
 
 VALUES = [
@@ -130,11 +142,8 @@ VALUES = [
     torch.tensor(2.5),
     (torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool), None),
     (torch.randint(0, 9, (3, 7)), torch.randn(3, 7).bfloat16(), torch.empty(0, 4), torch.arange(3, dtype=torch.int8)),
+    (None,),
 ]
-
-
-def decode(message):
-    return views(message, *read_header(message)[:2])
 
 
 def same(a, b) -> bool:
@@ -146,20 +155,27 @@ def same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("value", VALUES)
-def test_messages_round_trip_whole_and_in_two_parts(value):
-    message = encode(*pack(value))
-    assert message.dtype == torch.uint8 and message.dim() == 1
-    assert same(decode(message), value)
-    # a larger receive buffer, as the receiver posts: the header says where the message ends
-    padded = torch.cat([message, torch.full((1000,), 7, dtype=torch.uint8)])
-    assert same(decode(padded), value)
-    header, payload = pack(value)  # what travels apart when the message is over the capacity
-    assert torch.equal(header, message[:HEADER_BYTES])
+def test_messages_round_trip(value):
+    header, parts = pack(value)
+    assert header.dtype == torch.uint8 and header.numel() == HEADER_BYTES
+    is_tuple, specs, size = read_header(header)
+    assert size == payload_bytes(parts) >= MIN_PAYLOAD and size % 64 == 0
     flat = value if isinstance(value, tuple) else (value,)
-    assert [b.numel() for b in payload] == [t.numel() * t.element_size() for t in flat if t is not None]
-    got = decode(padded)
-    for t in got if isinstance(got, tuple) else (got,):  # views into the message, no copy
-        assert t is None or t.numel() == 0 or t.untyped_storage().data_ptr() == padded.data_ptr()
+    assert [b.numel() for b in parts] == [t.numel() * t.element_size() for t in flat if t is not None]
+    buffer = torch.full((size + 1000,), 7, dtype=torch.uint8)  # a pooled buffer is often larger
+    payload = encode(parts, buffer)
+    assert payload.numel() == size
+    got = views(payload, is_tuple, specs)
+    assert same(got, value)
+    for t in got if isinstance(got, tuple) else (got,):  # views into the buffer, no copy
+        assert t is None or t.numel() == 0 or t.untyped_storage().data_ptr() == buffer.data_ptr()
+
+
+def test_both_ends_agree_on_each_data_message_size():
+    assert split_sizes(256, None) == (256, 0)  # a link's first message: its own size, once the header is read
+    assert split_sizes(256, 256) == (256, 0)
+    assert split_sizes(128, 256) == (256, 0)  # smaller: padded to what the receiver posted
+    assert split_sizes(384, 256) == (256, 128)  # larger: what was posted, then the rest
 
 
 def test_a_buffer_is_reused_only_when_nothing_refers_to_it():
@@ -168,7 +184,8 @@ def test_a_buffer_is_reused_only_when_nothing_refers_to_it():
     a = pool.take()
     first = ptr(a)
     assert ptr(pool.take()) != first  # `a` is held: another buffer
-    x = decode(encode(*pack(torch.randn(4, 8)), a)).requires_grad_()
+    header, parts = pack(torch.randn(4, 8))
+    x = views(encode(parts, a), *read_header(header)[:2]).requires_grad_()
     loss = (x * x).sum()  # autograd saves `x`, a view into the first buffer
     del a
     assert ptr(pool.take()) == ptr(pool.buffers[1])  # the second is free again; the first is still saved
@@ -177,6 +194,28 @@ def test_a_buffer_is_reused_only_when_nothing_refers_to_it():
     del x, loss
     assert {ptr(pool.take()) for _ in range(3)} <= {first, ptr(pool.buffers[1])}
     assert len(pool.buffers) == 2
+    big = pool.take(10_000)  # larger than any: a new buffer of that size
+    assert big.numel() == 10_000 and len(pool.buffers) == 3
+    assert pool.take(5000).numel() == 5000  # `big` is held: the 4096-byte ones are too small
+    del big
+    assert pool.take(5000).numel() == 10_000
+
+
+def test_a_fenced_buffer_waits_for_its_copy():
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+    pool = Buffers(64)
+    a = pool.take()
+    event = Event()
+    pool.fence(a[:8], event)
+    del a
+    assert pool.take().untyped_storage().data_ptr() != pool.buffers[0].untyped_storage().data_ptr()
+    event.done = True
+    assert pool.take().untyped_storage().data_ptr() == pool.buffers[0].untyped_storage().data_ptr()
 
 
 def test_without_torchs_use_count_every_message_gets_a_new_buffer(monkeypatch):
@@ -189,28 +228,111 @@ def test_without_torchs_use_count_every_message_gets_a_new_buffer(monkeypatch):
 
 def test_a_message_with_an_unsupported_tensor_is_a_clear_error():
     assert torch.complex64 not in DTYPES
-    with pytest.raises(TypeError, match="pipeline.transport=p2p sends CPU tensors"):
+    with pytest.raises(TypeError, match="pipeline.transport=p2p sends tensors of"):
         pack(torch.zeros(2, dtype=torch.complex64))
     with pytest.raises(ValueError, match="use pipeline.transport=object_store"):
         pack(tuple(torch.zeros(1, 1, 1, 1, 1, 1) for _ in range(10)))
 
 
-def test_messages_over_the_capacity_travel_in_parts_and_train_the_same(ray_session, tiny):
-    """With a receive capacity of only the header, every activation and gradient goes as the header and then
-    the tensor's bytes; the numbers stay the local executor's (whole messages: test_ray_executor)."""
-    from conftest import assert_same_weights, make_stages, microbatches, run_local
+def test_payloads_that_change_size_train_the_same(ray_session, tiny):
+    """Micro-batches of 32, 16 and 48 samples in turn: each activation and gradient is padded to what its receiver
+    posted ahead, or goes as that and the rest; with the smallest buffers the numbers stay the local executor's."""
+    from conftest import assert_same_weights, make_stages
 
+    from rayspec.exec import LocalExecutor
     from rayspec.exec.ray import RayExecutor
     from rayspec.exec.ray.p2p import P2PTransport
 
     model, data = tiny
+    x, y = data.train.tensors
+    sizes = [32, 16, 48] * 4
+    cuts = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    mbs = [(x[a:b], y[a:b]) for a, b in zip(cuts, cuts[1:])]
     ex = RayExecutor(make_stages(model, "spectrain", 3), "spectrain", transport="p2p", cpus_per_stage=0.5, chunk=4)
     try:
-        ex.link = P2PTransport(4, capacity=0)  # the same gloo group, another receive size
+        ex.link = P2PTransport(4, capacity=0)  # the same groups, buffers of exactly the size asked for
         ex.link.start(ex.actors)
-        losses = ex.run(build_schedule("1f1b", 3, 12), iter(microbatches(data, 12, 32)))
-        ref, ref_losses, _ = run_local(model, data, "spectrain", 3, updates=12)
+        losses = ex.run(build_schedule("1f1b", 3, len(mbs)), iter(mbs))
+        ref = LocalExecutor(make_stages(model, "spectrain", 3), "spectrain")
+        ref_losses = ref.run(build_schedule("1f1b", 3, len(mbs)), mbs)
         assert_same_weights(ex.state_dict(), ref.state_dict())
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     finally:
         ex.close()
+
+
+class _NcclLike:
+    """``torch.distributed`` as NCCL behaves, for two endpoints in one process: a data group matches a pair's
+    messages in the order the receives were posted, whatever their tags, and only at exactly the size sent; the
+    header group (gloo) matches by tag. ``rank`` is the caller."""
+
+    def __init__(self):
+        self.rank = 0
+        self.sent: dict = {}  # (group, src, dst[, tag]) -> [bytes sent, in order]
+        self.posted: dict = {}  # the same key -> receives posted so far
+
+    def new_group(self, **_):
+        return object()
+
+    def _key(self, peer, group, tag, sending):
+        src, dst = (self.rank, peer) if sending else (peer, self.rank)
+        return (None, src, dst, tag) if group is None else (group, src, dst)
+
+    def isend(self, tensor, dst, group=None, tag=0):
+        self.sent.setdefault(self._key(dst, group, tag, True), []).append(tensor.clone())
+        return _Done()
+
+    def irecv(self, tensor, src, group=None, tag=0):
+        key = self._key(src, group, tag, False)
+        index = self.posted.get(key, 0)
+        self.posted[key] = index + 1
+        return _Receive(self, key, index, tensor)
+
+    def recv(self, tensor, src, group=None, tag=0):
+        self.irecv(tensor, src, group, tag).wait()
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+class _Receive:
+    def __init__(self, world, key, index, tensor):
+        self.world, self.key, self.index, self.tensor = world, key, index, tensor
+
+    def wait(self):
+        message = self.world.sent[self.key][self.index]
+        assert message.numel() == self.tensor.numel(), f"{self.key}: sent {message.numel()} B, posted {self.tensor.numel()} B"
+        self.tensor.copy_(message)
+        return True
+
+
+def test_the_protocol_keeps_to_nccls_rules(monkeypatch):
+    """Activations of changing sizes one way and gradients the other, with receives posted ahead: every data message
+    is received at exactly its size, in posting order, one direction per group (what NCCL needs), and arrives whole."""
+    from rayspec.exec.ray import p2p
+
+    world = _NcclLike()
+    monkeypatch.setattr(p2p, "dist", world)
+    a, b = p2p.P2PEndpoint(None), p2p.P2PEndpoint(None)
+    for rank, end in enumerate((a, b)):
+        end.groups = {(0, "F"): "F", (0, "B"): "B"}  # joined already: one group per pair and direction
+        end.join("", 0, rank, 2, 1.0, capacity=0)
+    shapes = [(4, 8), (4, 8), (2, 8), (6, 8), (6, 8), (1,), (6, 8)]
+    for m, shape in enumerate(shapes):
+        world.rank = 1
+        b._post(0, tag("F", m))  # posted ahead, before the message is sent
+        world.rank = 0
+        x = torch.randn(shape)
+        a.send((x, None) if m % 3 == 2 else x, 1, tag("F", m))
+        world.rank = 1
+        got = b.recv(0, tag("F", m))
+        assert same(got, (x, None) if m % 3 == 2 else x)
+        g = torch.randn(shape[::-1])
+        b.send(g, 0, tag("B", m))
+        world.rank = 0
+        assert same(a.recv(1, tag("B", m)), g)
+    data = {k: v for k, v in world.sent.items() if k[0] is not None}
+    assert {(k[0], k[1], k[2]) for k in data} == {("F", 0, 1), ("B", 1, 0)}  # one direction per group
+    assert all(world.posted[k] == len(v) for k, v in data.items())  # every message received, none left over

@@ -231,3 +231,37 @@ def test_plan_rejects_unknown_partition_and_missing_sample(mlp):
         choose_partition(model, 2, "fastest")
     with pytest.raises(PartitionError, match="sample_input"):
         choose_partition(model, 2, "profile")
+
+
+def test_a_profile_measured_elsewhere_replans_the_run():
+    """Times measured on the stages' GPU move a ``profile`` partition; a given balance stays, with the new times."""
+    from rayspec.config import from_mapping
+    from rayspec.config.compose import compose
+    from rayspec.training.prepare import prepare, replan
+
+    def compose_config(*overrides):
+        return compose(list(overrides))
+
+    prepared = prepare(from_mapping(compose_config("model.size=tiny", "pipeline.stages=2", "pipeline.partition=profile")))
+    n = len(prepared.model)
+    slow_first = [BlockProfile(1.0 if i == 0 else 0.01, 0.0, 1, 4) for i in range(n)]
+    got = replan(prepared, slow_first)
+    assert got.balance == [1, n - 1] and got.plan.rows[0].seconds == 1.0
+    fixed = prepare(from_mapping(compose_config("model.size=tiny", "pipeline.stages=2", "pipeline.balance=[3,4]")))
+    assert replan(fixed, slow_first).balance == [3, 4]
+
+
+def test_blocks_are_profiled_in_a_stage_bundle(ray_session, mlp):
+    mlp, info = mlp
+    """In stage 0's bundle, with its resources (no GPU here: on its CPU); the bundle is free again afterwards."""
+    from ray.util.placement_group import remove_placement_group
+
+    from rayspec.exec.ray.cluster import profile_in_bundle, reserve_stages
+
+    group = reserve_stages(1, 0.5, 0.0)
+    try:
+        profiles = profile_in_bundle(mlp, torch.randn(4, *info.input_shape), group, 0, warmup=0, repeats=1)
+        assert len(profiles) == len(mlp) and all(p.forward_s > 0 for p in profiles)
+        assert len(profile_in_bundle(mlp, torch.randn(4, *info.input_shape), group, 0, warmup=0, repeats=1)) == len(mlp)
+    finally:
+        remove_placement_group(group)

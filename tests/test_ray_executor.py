@@ -130,6 +130,7 @@ def test_default_gpus_follow_the_cluster_not_the_driver():
         default_gpus(2.0, 4)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_stage_moved_to_cuda_trains_like_the_cpu_one(tiny):
     model, data = tiny

@@ -72,7 +72,7 @@ def test_local_and_ray_runs_agree(tmp_path, ray_session):
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k])
     assert a["final_train_loss"] == pytest.approx(b["final_train_loss"], rel=1e-5)
-    assert (a["transport"], b["transport"]) == ("none", "p2p" if not torch.cuda.is_available() else "nccl")
+    assert (a["transport"], b["transport"]) == ("none", "p2p" if not torch.cuda.is_available() else "p2p_nccl")
 
 
 BAD = [
@@ -116,11 +116,13 @@ BAD = [
     (["checkpoint.resume=/nonexistent/run"], ConfigError, "checkpoint.resume=/nonexistent/run is neither"),
     (["fault.max_restarts=-2"], ConfigError, "fault.max_restarts=-2 must be >= 0"),
     (["+checkpoint.evry=5"], ConfigError, "unknown key(s) checkpoint.evry"),
-    (["pipeline.transport=p2p", "pipeline.gpus_per_stage=1"], ConfigError,
-     "pipeline.transport=p2p moves CPU tensors over gloo, but pipeline.gpus_per_stage=1"),
+    (["pipeline.transport=gloo", "pipeline.gpus_per_stage=1"], ConfigError,
+     "pipeline.transport=gloo with pipeline.gpus_per_stage=1: gloo moves CPU tensors only"),
+    (["pipeline.transport=nccl", "pipeline.gpus_per_stage=0"], ConfigError,
+     "pipeline.transport=nccl with pipeline.gpus_per_stage=0: nccl moves GPU tensors and the stages have none"),
+    (["pipeline.transport=p2p_nccl", "pipeline.gpus_per_stage=0.25"], ConfigError,
+     "stages that share a GPU would be two NCCL ranks on one device"),
 ]
-if not torch.cuda.is_available():
-    BAD.append((["pipeline.transport=nccl"], ConfigError, "pipeline.transport=nccl needs GPUs"))
 
 
 @pytest.mark.parametrize("overrides,error,message", BAD, ids=[" ".join(b[0]) for b in BAD])

@@ -51,7 +51,8 @@ class PipelineConfig:
     """``local``: all stages in this process (the reference); ``ray``: one actor per stage."""
     transport: str = "auto"
     """How activations move between stage actors (``rayspec.core.transports``; docs/design.md §4): ``auto`` =
-    nccl on GPUs, p2p on CPU; ``p2p``, ``object_store``, ``gloo``, ``nccl``, ``compiled``."""
+    p2p on CPU stages and on stages that share a GPU, p2p_nccl on a GPU per stage; ``p2p``, ``p2p_nccl``,
+    ``object_store``, ``gloo``, ``nccl``, ``compiled``."""
     partition: str = "uniform"
     """How blocks are split among stages when ``balance`` is not given: ``uniform``, ``parameters``, ``profile``."""
     balance: list[int] | None = None
@@ -104,16 +105,10 @@ class PipelineConfig:
             v = getattr(self, name)
             if v is not None and (not number(v) or v < 0 or (name == "cpus_per_stage" and v == 0)):
                 raise ConfigError(f"pipeline.{name}={v!r} must be a positive number (or null for the default)")
+        # The stages' GPUs, not this process's: a job's driver may run on a CPU-only head. With
+        # gpus_per_stage null the cluster decides, and the transport is checked once Ray is up.
         if self.gpus_per_stage is not None:
             check_placement(self.transport, self.gpus_per_stage)
-        if self.transport == "nccl":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError(
-                    "pipeline.transport=nccl needs GPUs but CUDA is not available; "
-                    "use pipeline.transport=auto (p2p on CPU) or gloo"
-                )
 
 
 @dataclass

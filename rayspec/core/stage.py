@@ -23,8 +23,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +31,13 @@ import torch
 from torch import nn
 
 from rayspec.core.activations import Activation, activation_bytes, as_input, detach, flat, input_grad
+from rayspec.core.finite import FiniteChecks
 from rayspec.core.methods import BACKWARDS, METHODS, POLICIES
-from rayspec.core.optim import SGD, LRSchedule, non_finite_grad
+from rayspec.core.optim import SGD, LRSchedule
 from rayspec.core.predict import PREDICTORS, PredictionProbe, step_scale
 from rayspec.core.rng import rng_state, set_rng_state
 from rayspec.core.swap import Swap, WeightSwap
+from rayspec.core.timing import StageClock
 
 __all__ = ["Stage", "StageStats", "make_stages"]
 
@@ -139,6 +139,8 @@ class Stage:
             self.rng = rng_state(self.device)
         self.records: list[dict[str, Any]] = []
         self.trace = trace
+        self.clock = StageClock(trace)  # host time on CPU, CUDA events on a GPU (settled when read)
+        self.checks = FiniteChecks(index)  # on a GPU: flags on the device, raised at checks.flush()
         self.predictor = predictor
         self.probe = PredictionProbe(self.params, probe, self._seed) if policy == "predict" and probe > 0 else None
         self.timeline: list[tuple[str, int, float, float]] = []  # (kind, micro-batch, start, end) in epoch s
@@ -149,7 +151,7 @@ class Stage:
         Args:
             s: versions ahead to predict (``predict`` policy only).
         """
-        t0 = time.perf_counter()
+        t0 = self.clock.start(self.device)
         inputs = as_input(x, self.device, requires_grad=not self.is_first)
         if self.policy == "stash":
             self._stash_current()
@@ -169,11 +171,7 @@ class Stage:
                 labels = labels.to(self.device)
                 with torch.set_grad_enabled(keep is not None):
                     loss = self.loss_fn(out, labels) / self.group
-                if not math.isfinite(value := float(loss.detach())):
-                    raise FloatingPointError(
-                        f"the loss of micro-batch {m} is {value} at update {self.version + 1} on stage {self.index} "
-                        "(the last); lower optim.lr or add warm-up (optim.warmup)"
-                    )
+                self.checks.loss(loss, m, self.version + 1)
                 keep = loss if keep is not None else None
                 result = loss.detach()
             else:
@@ -194,7 +192,7 @@ class Stage:
             s: versions ahead to predict (``predict`` policy, ``paper`` variant).
             update: step the optimizer after this backward.
         """
-        t0 = time.perf_counter()
+        t0 = self.clock.start(self.device)
         job = self.inflight.pop(m)
         if self.policy == "stash":
             ctx = self._stashed_weights(job.version, m)
@@ -232,12 +230,7 @@ class Stage:
 
     def step(self) -> None:
         """Apply the accumulated gradient: one update, one version; a non-finite gradient raises first."""
-        bad = non_finite_grad(self.module)
-        if bad is not None:
-            raise FloatingPointError(
-                f"the gradient of {bad} is not finite at update {self.version + 1} on stage {self.index}; "
-                "lower optim.lr or add warm-up (optim.warmup)"
-            )
+        self.checks.grads_of(self.module, self.version + 1)
         self.optimizer.step(self.lr(self.version))
         self.optimizer.zero_grad()
         self.version += 1
@@ -318,13 +311,8 @@ class Stage:
     def _track_memory(self) -> None:
         self.stats.peak_weight_bytes = max(self.stats.peak_weight_bytes, sum(self.weight_bytes().values()))
 
-    def _account(self, kind: str, t0: float, m: int) -> None:
-        busy = time.perf_counter() - t0
-        self.stats.actions[kind] += 1
-        self.stats.busy_s[kind] += busy
-        if self.trace:
-            end = time.time()
-            self.timeline.append((kind, m, end - busy, end))
+    def _account(self, kind: str, t0: Any, m: int) -> None:
+        self.clock.stop(kind, m, t0, self.stats, self.timeline)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}

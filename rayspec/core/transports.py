@@ -1,60 +1,104 @@
 """The transports a Ray run can move tensors with (``pipeline.transport``), and where each can run.
 
 The implementations live in ``rayspec.exec.ray``; this registry imports no Ray, so the config can check
-a choice before Ray starts (docs/design.md §4).
+a choice before Ray starts (docs/design.md §4). A placement is the GPUs each stage actor holds:
+``0`` (CPU stages), a fraction (stages that share a GPU) or ``>= 1`` (a GPU of its own).
+
+[Note: what auto picks]
+    GPUs per stage   auto        why
+    0                p2p         one actor call per chunk, gloo between the stage actors
+    0 < g < 1        p2p         the same gloo path; GPU tensors through pinned host memory (NCCL refuses
+                                 two ranks on one device)
+    >= 1             p2p_nccl    one actor call per chunk, NCCL between the GPUs (torch's own NCCL, no cupy)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from rayspec.errors import ConfigError
 
-__all__ = ["Transport", "TRANSPORTS", "resolve_transport", "check_placement"]
+__all__ = ["Transport", "TRANSPORTS", "resolve_transport", "check_placement", "nccl_kind", "placement_of"]
+
+Placement = Literal["cpu", "shared_gpu", "gpu"]
 
 
 @dataclass(frozen=True)
 class Transport:
-    """One transport: its name, whether its stages may sit on CPUs and on GPUs, and what it does."""
+    """One transport: its name, the placements it can run, the NCCL it uses on GPUs, and what it does.
+
+    Attributes:
+        cpu: CPU stages.
+        shared_gpu: stages that share a GPU (a fraction of one each).
+        gpu: stages with a GPU (or more) each.
+        nccl: the NCCL it uses for stages with a GPU each: ``torch`` (``torch.distributed``, shipped with torch),
+            ``ray`` (Ray's collective groups, which need cupy: ``pip install 'rayspec[gpu]'``) or ``None``.
+    """
 
     name: str
     cpu: bool
+    shared_gpu: bool
     gpu: bool
+    nccl: Literal["torch", "ray"] | None
     summary: str
 
 
 _ALL = (
-    Transport("auto", True, True, "p2p on CPU stages, nccl on GPUs"),
-    Transport("p2p", True, False, "an actor call per chunk; stages send to their neighbours over a gloo group"),
-    Transport("object_store", True, True, "an actor call per action; tensors through Ray's object store"),
-    Transport("gloo", True, True, "an actor call per action; tensors by Ray Direct Transport over gloo"),
-    Transport("nccl", False, True, "an actor call per action; tensors by Ray Direct Transport over NCCL"),
-    Transport("compiled", True, True, "a Ray Compiled Graph per chunk shape"),
+    Transport("auto", True, True, True, None, "p2p on CPU stages and on stages that share a GPU, p2p_nccl on a GPU each"),
+    Transport("p2p", True, True, True, None,
+              "an actor call per chunk; stages send to their neighbours over a gloo group (GPU tensors through host memory)"),
+    Transport("p2p_nccl", False, False, True, "torch",
+              "an actor call per chunk; stages send to their neighbours over NCCL (torch.distributed)"),
+    Transport("object_store", True, True, True, None, "an actor call per action; tensors through Ray's object store"),
+    Transport("gloo", True, False, False, None, "an actor call per action; CPU tensors by Ray Direct Transport over gloo"),
+    Transport("nccl", False, False, True, "ray", "an actor call per action; GPU tensors by Ray Direct Transport over NCCL"),
+    Transport("compiled", True, True, True, "ray", "a Ray Compiled Graph per chunk shape (NCCL on a GPU per stage)"),
 )
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in _ALL}
 
+_AUTO: dict[Placement, str] = {"cpu": "p2p", "shared_gpu": "p2p", "gpu": "p2p_nccl"}
+_WHERE = {"cpu": "on CPU stages", "shared_gpu": "on stages that share a GPU", "gpu": "on a GPU per stage"}
+
+
+def placement_of(gpus_per_stage: float) -> Placement:
+    """``cpu`` for 0 GPUs per stage, ``shared_gpu`` for a fraction of one, ``gpu`` for one or more."""
+    if gpus_per_stage <= 0:
+        return "cpu"
+    return "shared_gpu" if gpus_per_stage < 1 else "gpu"
+
 
 def resolve_transport(name: str, gpus_per_stage: float) -> str:
-    """The transport ``name`` stands for on stages with ``gpus_per_stage`` GPUs each (``auto``: ``nccl`` on
-    GPUs, ``p2p`` on CPUs); raises ``ConfigError`` for an unknown name or a transport that cannot carry the
-    stages' tensors."""
+    """The transport ``name`` stands for on stages with ``gpus_per_stage`` GPUs each ([Note: what auto picks]);
+    raises ``ConfigError`` for an unknown name or a transport that cannot carry the stages' tensors."""
     if name not in TRANSPORTS:
         raise ConfigError(f"pipeline.transport={name!r} is unknown; choose one of {', '.join(TRANSPORTS)}")
     if name == "auto":
-        name = "nccl" if gpus_per_stage > 0 else "p2p"
+        name = _AUTO[placement_of(gpus_per_stage)]
     check_placement(name, gpus_per_stage)
     return name
 
 
 def check_placement(name: str, gpus_per_stage: float) -> None:
-    """Raise ``ConfigError`` when transport ``name`` cannot run stages with ``gpus_per_stage`` GPUs each."""
-    if gpus_per_stage == 0 and not TRANSPORTS[name].cpu:
-        raise ConfigError(
-            f"pipeline.transport={name} needs a GPU per stage, but pipeline.gpus_per_stage=0; "
-            "use pipeline.transport=auto (p2p on CPU) or gloo"
-        )
-    if gpus_per_stage > 0 and not TRANSPORTS[name].gpu:
-        raise ConfigError(
-            f"pipeline.transport={name} moves CPU tensors over gloo, but pipeline.gpus_per_stage={gpus_per_stage:g}; "
-            "use pipeline.transport=nccl or compiled for stages on GPUs, or pipeline.gpus_per_stage=0"
-        )
+    """Raise ``ConfigError`` when transport ``name`` cannot run stages with ``gpus_per_stage`` GPUs each, naming
+    the transports that can."""
+    where = placement_of(gpus_per_stage)
+    t = TRANSPORTS[name]
+    if getattr(t, where):
+        return
+    fits = ", ".join(n for n, o in TRANSPORTS.items() if getattr(o, where) and n != "auto")
+    setting = f"pipeline.transport={name} with pipeline.gpus_per_stage={gpus_per_stage:g}"
+    if where == "cpu":
+        raise ConfigError(f"{setting}: {name} moves GPU tensors and the stages have none; use pipeline.transport=auto "
+                          f"({_AUTO['cpu']}) or one of {fits}, or give each stage a GPU (pipeline.gpus_per_stage=1)")
+    if where == "shared_gpu" and t.nccl:
+        raise ConfigError(f"{setting}: stages that share a GPU would be two NCCL ranks on one device, which NCCL "
+                          f"refuses; use pipeline.transport=auto ({_AUTO['shared_gpu']}, through host memory) or one "
+                          f"of {fits}, or give each stage a GPU of its own (pipeline.gpus_per_stage=1)")
+    raise ConfigError(f"{setting}: {name} moves CPU tensors only; use pipeline.transport=auto ({_AUTO[where]}) or "
+                      f"one of {fits} {_WHERE[where]}, or pipeline.gpus_per_stage=0")
+
+
+def nccl_kind(name: str, gpus_per_stage: float) -> Literal["torch", "ray"] | None:
+    """Which NCCL the resolved transport ``name`` uses on stages with ``gpus_per_stage`` GPUs each, if any."""
+    return TRANSPORTS[name].nccl if placement_of(gpus_per_stage) == "gpu" else None

@@ -103,6 +103,12 @@ class Executor(ABC):
     def stage_stats(self) -> list[dict]:
         """Per stage: actions, busy seconds per kind, version, peak stash and weight bytes."""
 
+    def synchronize(self) -> None:
+        """Return once every stage's device has run what was queued (GPU work runs after the call that queued it)."""
+        for stage in getattr(self, "stages", ()):
+            if stage.device.type == "cuda":
+                torch.cuda.synchronize(stage.device)
+
     def timeline(self) -> list[list[tuple[str, int, float, float]]]:
         """Per stage, ``(kind, micro-batch, start, end)`` of every action (stages built with ``trace=True``)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no timeline")
@@ -159,7 +165,8 @@ class MicrobatchFeed:
 
 
 def stage_stats(stage: Stage) -> dict:
-    """One stage's statistics as executors report them (``Executor.stage_stats``)."""
+    """One stage's statistics as executors report them (``Executor.stage_stats``); busy times settled first."""
+    stage.clock.settle()
     return {
         "stage": stage.index,
         "device": str(stage.device),
@@ -170,5 +177,6 @@ def stage_stats(stage: Stage) -> dict:
         "peak_weight_bytes": stage.stats.peak_weight_bytes,
         "weight_bytes": stage.weight_bytes(),
         "sent_bytes": dict(stage.stats.sent_bytes),
+        **({"cuda_peak_bytes": torch.cuda.max_memory_allocated(stage.device)} if stage.device.type == "cuda" else {}),
         **({"prediction": stage.probe.summary()} if stage.probe is not None else {}),
     }

@@ -56,6 +56,8 @@ class LocalExecutor(Executor):
                 gi = stage.backward(m, g, s=p.s, update=a.update)
                 if k > 0:
                     grads[(k, m)] = gi
+        for stage in self.stages:
+            stage.checks.flush()  # on GPUs the finite checks were flags on the device
         return [losses[m] for m in range(schedule.microbatches)]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -68,7 +70,11 @@ class LocalExecutor(Executor):
         return [stage_stats(st) for st in self.stages]
 
     def timeline(self) -> list[list[tuple[str, int, float, float]]]:
+        for st in self.stages:
+            st.clock.settle()
         return [list(st.timeline) for st in self.stages]
 
     def checkpoint_states(self) -> list[dict]:
+        for st in self.stages:
+            st.clock.settle()
         return [st.checkpoint_state() for st in self.stages]

@@ -30,12 +30,19 @@ import torch
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rayspec.exec.ray.cluster import actor_died, reserve_stages, stage_resources
+from rayspec.core.transports import resolve_transport
+from rayspec.exec.ray.cluster import (
+    actor_died,
+    bundle_resources,
+    profile_in_bundle,
+    reserve_stages,
+    stage_resources,
+)
 from rayspec.exec.ray.connect import ensure_ray
 from rayspec.training.checkpoint import CheckpointStore, load_checkpoint
 from rayspec.training.failures import Restarts, death
 from rayspec.training.loop import run
-from rayspec.training.prepare import Prepared
+from rayspec.training.prepare import Prepared, profile_sample, replan
 from rayspec.training.progress import notify
 
 __all__ = ["DriverActor", "run_in_driver"]
@@ -139,8 +146,16 @@ def run_in_driver(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     owned = None
     if placement_group is None:
         cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages)
+        resolve_transport(p.transport, gpus)  # refused here, before any actor starts, when it cannot carry them
         owned = placement_group = reserve_stages(p.stages, cpus, gpus, p.placement.upper())
         bundle_offset = 0
+    if prepared.plan is not None and bundle_resources(placement_group, bundle_offset)[1] > 0:
+        # The driver's CPU times say little about GPU stages: profile again where stage 0 will run, on its GPU.
+        profiles = profile_in_bundle(prepared.model, profile_sample(prepared.data, c), placement_group, bundle_offset)
+        prepared = replan(prepared, profiles)
+        echo(f"partition ({prepared.plan.partition}, times per micro-batch on a stage's GPU):")  # type: ignore[union-attr]
+        for line in prepared.plan.table().splitlines():  # type: ignore[union-attr]
+            echo("  " + line)
     placement = _driver_placement(placement_group, bundle_offset)
     shipped = ray.put(_absolute(prepared))
     run_dir = Path(run_dir).resolve()

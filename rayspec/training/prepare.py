@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -24,11 +25,19 @@ from rayspec.data.loader import eval_batches
 from rayspec.errors import ConfigError
 from rayspec.models import build_model, model_options
 from rayspec.models.custom import build_target_model
-from rayspec.partition import PartitionPlan, check_balance, choose_partition, profile_blocks, split, uniform
+from rayspec.partition import (
+    BlockProfile,
+    PartitionPlan,
+    check_balance,
+    choose_partition,
+    profile_blocks,
+    split,
+    uniform,
+)
 from rayspec.targets import TARGET
 from rayspec.training.checkpoint import CheckpointStore, check_compatible, load_checkpoint, resolve_resume
 
-__all__ = ["Prepared", "prepare", "lr_schedule", "build_stages", "split_batches"]
+__all__ = ["Prepared", "prepare", "profile_sample", "replan", "lr_schedule", "build_stages", "split_batches"]
 
 
 @dataclass
@@ -148,11 +157,25 @@ def _partition(model: nn.Sequential, data: DataBundle, config: Config, balance: 
     balance = balance if balance is not None else p.balance
     if balance is not None:
         check_balance(balance, len(model), p.stages)
-    size = max(1, min(config.train.batch_size // p.group, len(data.train)))  # type: ignore[arg-type]
-    sample = next(iter(eval_batches(data.train, size)))[0]
     profiled = p.partition == "profile" and balance is None
-    profiles = profile_blocks(model, sample, warmup=1, repeats=3 if profiled else 1)
+    profiles = profile_blocks(model, profile_sample(data, config), warmup=1, repeats=3 if profiled else 1)
     return choose_partition(model, p.stages, partition=p.partition, balance=balance, profiles=profiles)
+
+
+def profile_sample(data: DataBundle, config: Config) -> Any:
+    """The input of one micro-batch, which blocks are profiled on."""
+    size = max(1, min(config.train.batch_size // config.pipeline.group, len(data.train)))  # type: ignore[arg-type]
+    return next(iter(eval_batches(data.train, size)))[0]
+
+
+def replan(prepared: Prepared, profiles: list[BlockProfile]) -> Prepared:
+    """``prepared`` with its partition chosen again from ``profiles`` measured elsewhere (on the stages' GPU): a
+    ``profile`` partition may move; a given or resumed balance stays, with the new times in its table."""
+    c = prepared.config
+    balance = prepared.balance if (prepared.resume is not None or c.pipeline.balance is not None) else None
+    plan = choose_partition(prepared.model, c.pipeline.stages, partition=c.pipeline.partition, balance=balance,
+                            profiles=profiles)
+    return dataclasses.replace(prepared, balance=list(plan.balance), plan=plan)
 
 
 def lr_schedule(config: Config) -> LRSchedule:

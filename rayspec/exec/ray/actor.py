@@ -12,6 +12,7 @@ import ray
 import torch
 
 from rayspec.core.activations import Activation
+from rayspec.core.device import deterministic, nccl_problem, to_device
 from rayspec.core.stage import Stage
 from rayspec.exec.base import stage_stats
 from rayspec.exec.ray.compiled import CompiledEndpoint
@@ -52,36 +53,57 @@ class StageActor:
         if ray.get_gpu_ids():  # given a GPU: compute there, whatever the driver has (a CPU-only head, say)
             stage.to("cuda")
         self.stage = stage
-        self.losses: dict[int, float] = {}
+        self.losses: dict[int, torch.Tensor] = {}  # the last stage's, on its device
         log.debug("[stage %d] loaded", stage.index)
 
     # ------------------------------------------------------------------ actions
     def forward(self, m: int, x: Activation, labels: Any = None, s: int = 0) -> Activation:
-        out = self.stage.forward(m, as_tensors(x), as_tensors(labels), s)
+        out = self.stage.forward(m, self._here(x), self._here(labels), s)
         if self.stage.is_last:
-            self.losses[m] = float(out)
+            self.losses[m] = out  # on the stage's device until pop_losses: no host round trip per micro-batch
             return None
         return _contiguous(out)
 
     def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False) -> Activation:
-        return _contiguous(self.stage.backward(m, grad, s, update))
+        return _contiguous(self.stage.backward(m, self._here(grad), s, update))
 
     def forward_backward(self, m: int, x: Activation, labels: Any, s: int, s_b: int, update: bool) -> Activation:
         """The last stage's ``F(m)`` and ``B(m)`` in one call: one actor call fewer on the critical path."""
-        self.losses[m] = float(self.stage.forward(m, as_tensors(x), as_tensors(labels), s))
+        self.losses[m] = self.stage.forward(m, self._here(x), self._here(labels), s)
         return _contiguous(self.stage.backward(m, None, s_b, update))
 
     def pop_losses(self) -> dict[int, float]:
+        """The losses since the last call, fetched from the device at once (one synchronization per chunk); raises
+        for a non-finite loss or gradient since the last call (``FiniteChecks``)."""
+        self.stage.checks.flush()
         out, self.losses = self.losses, {}
-        return out
+        if not out:
+            return {}
+        return dict(zip(out, torch.stack([v.reshape(()) for v in out.values()]).tolist()))
+
+    def _here(self, x: Any) -> Any:
+        """What came over the wire as tensors on the stage's device: numpy copied out of Ray's read-only memory
+        on CPU; to a GPU through pinned memory, asynchronously."""
+        if self.stage.device.type == "cpu":
+            return as_tensors(x)
+        return to_device(as_tensors(x, copy=False), self.stage.device)
+
+    # ------------------------------------------------------------------ device
+    def nccl_problem(self, kind: str, transport: str) -> str | None:
+        """Why this actor cannot run the NCCL ``kind`` that ``transport`` uses (``rayspec.core.device``), else None."""
+        return nccl_problem(kind, transport)
+
+    def deterministic(self, on: bool = True) -> None:
+        """Comparable numbers in this actor (TF32 off, cuDNN deterministic), as an equality check needs them."""
+        deterministic(on)
 
     # ------------------------------------------------------------------ p2p (rayspec.exec.ray.p2p)
     def p2p_rendezvous(self, world: int, timeout_s: float) -> tuple[str, int]:
         return self.p2p.rendezvous(world, timeout_s)
 
     def p2p_join(self, address: str, port: int, rank: int, world: int, timeout_s: float,
-                 capacity: int = CAPACITY) -> None:
-        self.p2p.join(address, port, rank, world, timeout_s, capacity)
+                 capacity: int = CAPACITY, backend: str = "gloo") -> None:
+        self.p2p.join(address, port, rank, world, timeout_s, capacity, backend)
 
     def p2p_run(self, ops: Sequence[P2POp], data: dict, last: bool) -> dict[int, float]:
         return self.p2p.run(ops, data, last)
@@ -103,6 +125,11 @@ class StageActor:
     def cg_wait(self, count: int, timeout_s: float, begun: bool = False) -> int:
         return self.cg.wait(count, timeout_s, begun)
 
+    def synchronize(self) -> None:
+        """Return once this stage's device has run everything queued (a timing then measures work done, not queued)."""
+        if self.stage.device.type == "cuda":
+            torch.cuda.synchronize(self.stage.device)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.stage.state_dict()
@@ -111,6 +138,7 @@ class StageActor:
         return stage_stats(self.stage)
 
     def timeline(self) -> list[tuple[str, int, float, float]]:
+        self.stage.clock.settle()
         return self.stage.timeline
 
     def node_id(self) -> str:
@@ -118,6 +146,7 @@ class StageActor:
         return ray.get_runtime_context().get_node_id()
 
     def checkpoint_state(self) -> dict[str, Any]:
+        self.stage.clock.settle()
         return self.stage.checkpoint_state()
 
 

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayspec.errors import ConfigError
+from rayspec.partition import BlockProfile, profile_blocks
 
 __all__ = ["stage_resources", "default_gpus", "reserve_stages", "bundle_resources", "actor_died",
-           "task_cause"]
+           "task_cause", "profile_in_bundle"]
 
 
 def stage_resources(cpus: float | None, gpus: float | None, stages: int, reserved_cpus: float = 0.0) -> tuple[float, float]:
@@ -79,3 +82,22 @@ def task_cause(err: BaseException) -> BaseException:
     while isinstance(err, RayTaskError) and isinstance(getattr(err, "cause", None), BaseException):
         err = err.cause
     return err
+
+
+def profile_in_bundle(model: Any, sample: Any, group: PlacementGroup, index: int, warmup: int = 1,
+                      repeats: int = 3) -> list[BlockProfile]:
+    """``profile_blocks`` where stage actors run: in bundle ``index`` of ``group``, with its CPUs and GPUs, on its GPU
+    when it holds one (each timed block bracketed by a CUDA synchronization). Call it before the stage actor
+    of that bundle starts; the bundle is free again when it returns."""
+    cpus, gpus = bundle_resources(group, index)
+    task = ray.remote(_profile).options(  # type: ignore[attr-defined]
+        num_cpus=cpus, num_gpus=gpus,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index))
+    return ray.get(task.remote(model, sample, warmup, repeats))
+
+
+def _profile(model: Any, sample: Any, warmup: int, repeats: int) -> list[BlockProfile]:
+    import torch
+
+    device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
+    return profile_blocks(model, sample, device, warmup=warmup, repeats=repeats)

@@ -109,7 +109,11 @@ class CompiledEndpoint:
         with self._cond:
             self._done += 1
             self._cond.notify_all()
-        return self._error, self.ops.pop_losses()
+        try:
+            losses = self.ops.pop_losses()
+        except Exception as err:  # a non-finite value found on the device: reported like an op's error
+            self._error, losses = self._error or err, {}
+        return self._error, losses
 
     def wait(self, count: int, timeout_s: float, begun: bool = False) -> int:
         """Chunks ended (``begun``: begun) on this actor, once ``count`` have or ``timeout_s`` passed: a plain,
@@ -135,7 +139,8 @@ class CompiledTransport(Transport):
 
     def __init__(self, chunk: int = 16, nccl: bool = False) -> None:
         self.chunk = chunk
-        self.nccl = nccl
+        self.to_gpu = nccl
+        self.nccl = "ray" if nccl else None  # a compiled graph's NCCL group imports cupy
         self._dag: Any = None
         self._template: tuple | None = None
         # Ray logs every compile and teardown at INFO (several lines per segment); keep its warnings.
@@ -161,7 +166,7 @@ class CompiledTransport(Transport):
                         value = None if src is None else begins[src[1]] if src[0] == "begin" else nodes[src[1]][src[2]]
                         prev = nodes[k][-1] if nodes[k] else begins[k]
                         node = self.actors[k].cg_op.bind(pos[k], op.kind, op.carry, prev, value)
-                        if self.nccl:
+                        if self.to_gpu:
                             node = node.with_tensor_transport(transport="nccl")
                         nodes[k].append(node)
                         pos[k] += 1
@@ -170,7 +175,7 @@ class CompiledTransport(Transport):
                     raise ScheduleError("the chunk template deadlocks")  # plan_chunks rules this out
             outs = [self.actors[k].cg_end.bind(nodes[k][-1]) for k in range(n)]
             dag = MultiOutputNode(outs)
-        ray.get([a.cg_reset.remote(not self.nccl) for a in self.actors])
+        ray.get([a.cg_reset.remote(not self.to_gpu) for a in self.actors])
         self._dag = dag.experimental_compile(_max_inflight_executions=2)
         self._template = template
         self._executed = 0

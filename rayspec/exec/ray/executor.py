@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayspec.core.activations import Activation
 from rayspec.core.schedule import Schedule
 from rayspec.core.stage import Stage
-from rayspec.core.transports import resolve_transport
+from rayspec.core.transports import nccl_kind, resolve_transport
 from rayspec.exec.base import Executor, MicrobatchFeed, check_stages
 from rayspec.exec.ray.actor import StageActor
 from rayspec.exec.ray.cluster import reserve_stages
@@ -35,12 +35,12 @@ __all__ = ["RayExecutor", "make_transport"]
 def make_transport(name: str, *, chunk: int = 16, max_in_flight: int | None = None, gpus_per_stage: float = 0.0,
                    cpus_per_stage: float = 1.0) -> Transport:
     """The transport ``name`` (as ``resolve_transport`` returns it) for stages with these resources."""
-    if name == "p2p":
-        return P2PTransport(chunk)
+    if name in ("p2p", "p2p_nccl"):
+        return P2PTransport(chunk, backend="nccl" if name == "p2p_nccl" else "gloo")
     if name == "compiled":
         if gpus_per_stage == 0 and cpus_per_stage < 1:
             warn_shared_cores(cpus_per_stage)
-        return CompiledTransport(chunk, nccl=gpus_per_stage >= 1)
+        return CompiledTransport(chunk, nccl=nccl_kind(name, gpus_per_stage) is not None)
     return ObjectStoreTransport(None if name == "object_store" else name, max_in_flight)
 
 
@@ -50,10 +50,10 @@ class RayExecutor(Executor):
     Args:
         stages: the stages to ship to the actors (their current weights and settings).
         method, variant: as for ``LocalExecutor``.
-        transport: ``auto``, ``object_store``, ``gloo``, ``nccl``, ``compiled`` or ``p2p``
-            (``rayspec.core.transports``).
+        transport: ``auto``, ``p2p``, ``p2p_nccl``, ``object_store``, ``gloo``, ``nccl`` or ``compiled``
+            (``rayspec.core.transports``; [Note: what auto picks] there).
         cpus_per_stage: CPUs reserved by each stage actor (fractional is fine on CPU).
-        gpus_per_stage: GPUs per stage actor (1 on GPU machines, 0 on CPU).
+        gpus_per_stage: GPUs per stage actor (1 on GPU machines, 0 on CPU, a fraction where stages share a GPU).
         max_in_flight: ``object_store``, ``gloo``, ``nccl``: micro-batches allowed between their stage-0 forward
             and backward; raised to what the schedule itself needs; default twice that.
         chunk: ``compiled`` and ``p2p``: micro-batches per actor call (per execution of the compiled graph).
@@ -198,6 +198,9 @@ class RayExecutor(Executor):
 
     def stage_stats(self) -> list[dict]:
         return ray.get([a.stats.remote() for a in self.actors])
+
+    def synchronize(self) -> None:
+        ray.get([a.synchronize.remote() for a in self.actors])
 
     def timeline(self) -> list[list[tuple[str, int, float, float]]]:
         return ray.get([a.timeline.remote() for a in self.actors])

@@ -41,6 +41,7 @@ class ObjectStoreTransport(Transport):
             self.env = dict(ZERO_COPY)
         else:
             self.replaces = "none"  # a collective group cannot be rebuilt around a dead member
+            self.nccl = "ray" if rdt == "nccl" else None  # Ray's NCCL group imports cupy
 
     def start(self, actors: Sequence[Any]) -> None:
         super().start(actors)

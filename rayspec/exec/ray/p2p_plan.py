@@ -77,6 +77,21 @@ def _retire(ops: list[list[P2POp]]) -> list[list[P2POp]]:
     return out
 
 
+def _check_order(ops: list[list[P2POp]], name: str) -> None:
+    """Raise ``ScheduleError`` unless every stage takes each neighbour's messages in the order they were sent:
+    NCCL matches a pair's messages in posting order, whatever their tags ([Note: messages] of ``p2p_wire``)."""
+    n = len(ops)
+    for k in range(n):
+        for peer, kind in ((k - 1, "F"), (k + 1, "B")):
+            if not 0 <= peer < n:
+                continue
+            taken = [op.m for op in ops[k] if source(op, k, n) == (peer, tag(kind, op.m))]
+            sent = [op.m for op in ops[peer] if (op.kind == "F") == (kind == "F")]  # F sends on, B and FB back
+            if taken != sent:
+                raise ScheduleError(f"the {name} schedule has stage {k} take stage {peer}'s {kind} messages in the order "
+                                    f"{taken[:8]}, not the order {sent[:8]} they are sent in; p2p needs both in one order")
+
+
 def plan_p2p(schedule: Schedule, s: dict | None, width: int) -> list[list[list[P2POp]]]:
     """Each chunk's ops per stage: ``chunks[c][k]`` is stage ``k``'s ops of chunk ``c``, in its schedule order.
 
@@ -98,6 +113,7 @@ def plan_p2p(schedule: Schedule, s: dict | None, width: int) -> list[list[list[P
         else:
             ops[a.stage].append(P2POp(a.kind, a.microbatch, p.s, 0, a.update))
     ops = _retire(ops)
+    _check_order(ops, schedule.name)
     width = max(1, width)
     if schedule.group > 1 and width % schedule.group:
         width += schedule.group - width % schedule.group

@@ -20,6 +20,7 @@ import torch
 from rayspec.core.activations import Activation
 from rayspec.core.schedule import Schedule
 from rayspec.core.stage import Stage
+from rayspec.errors import ConfigError
 from rayspec.exec.base import MicrobatchFeed
 
 __all__ = ["Transport", "StageOps", "LossSink", "ZERO_COPY"]
@@ -55,17 +56,28 @@ class Transport(ABC):
             recover, the executor must be recreated.
         env: environment variables of the stage actors (``None``: Ray's defaults).
         broken: a failed segment left the actors unusable; the next ``load`` recreates them.
+        nccl: the NCCL the path uses (``torch`` or ``ray``, ``rayspec.core.transports``), checked in every stage
+            actor at ``start``; ``None``: none.
     """
 
     name: str
     replaces: Literal["dead", "all", "none"] = "dead"
     env: dict[str, str] | None = None
     broken: bool = False
+    nccl: str | None = None
 
     def start(self, actors: Sequence[Any]) -> None:
-        """Take the (new) live stage actors, stage 0 first, and set up what the path needs among them."""
+        """Take the (new) live stage actors, stage 0 first, and set up what the path needs among them; raises
+        ``ConfigError`` naming the fix when a stage actor lacks the NCCL the path needs."""
         self.actors = list(actors)
         self.broken = False
+        if self.nccl is not None:
+            import ray
+
+            problems = ray.get([a.nccl_problem.remote(self.nccl, self.name) for a in self.actors])
+            for k, problem in enumerate(problems):
+                if problem is not None:
+                    raise ConfigError(f"stage {k}: {problem}")
 
     def stop(self) -> None:  # noqa: B027 - optional hook: nothing to release by default
         """Release what ``start`` set up (before the actors are replaced or killed)."""

@@ -29,12 +29,13 @@ def to_wire(x: Any, host: bool = True) -> Any:
     return x
 
 
-def as_tensors(x: Any) -> Any:
-    """Numpy arrays that came over the wire as tensors (copied: Ray hands out read-only memory); the rest as is."""
+def as_tensors(x: Any, copy: bool = True) -> Any:
+    """Numpy arrays that came over the wire as tensors (copied: Ray hands out read-only memory; ``copy=False``
+    for a caller that copies them on, to a GPU say); the rest as is."""
     if isinstance(x, np.ndarray):
-        return torch.from_numpy(x.copy())
+        return torch.from_numpy(x.copy() if copy else x)
     if isinstance(x, tuple):
-        return tuple(as_tensors(t) for t in x)
+        return tuple(as_tensors(t, copy) for t in x)
     return x
 
 
