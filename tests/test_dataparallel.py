@@ -126,7 +126,7 @@ def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_se
     pipeline_keys = {"method", "variant", "stages", "model", "model_size", "dataset", "executor", "transport",
                      "balance", "updates", "final_train_loss", "val_loss", "val_accuracy", "samples_per_s",
                      "train_s", "wall_s", "bubble_fraction", "bytes_per_update", "seed", "stage_stats", "config",
-                     "restarts", "checkpoint", "resumed_from"}
+                     "restarts", "checkpoint", "resumed_from", "layout_changes"}
     assert set(on_disk) == pipeline_keys
     assert (on_disk["method"], on_disk["stages"], on_disk["updates"]) == ("dataparallel", 2, 120)
     assert on_disk["transport"] == "gloo" and on_disk["val_accuracy"] == evals[-1]["val_accuracy"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rayspec.training import run
-from rayspec.training.loggers import RUN_FILE, offline_runs, read_offline_history
+from rayspec.training.loggers import RUN_FILE, offline_run_id, offline_runs, read_offline_history
 
 BASE = ["model.size=tiny", "data.train_size=256", "data.val_size=64", "train.batch_size=16", "train.log_every=2",
         "train.eval_every=2", "checkpoint.every=2", "pipeline.executor=local", "pipeline.stages=2", "logger=wandb",
@@ -26,7 +26,7 @@ def offline(monkeypatch):
 
 def steps(run_dir: Path) -> list[tuple[str, list[int]]]:
     """``(W&B run id, its history's steps)`` of every offline run under ``run_dir``, oldest first."""
-    return [(r.name.rsplit("-", 1)[-1], sorted({row["_step"] for row in read_offline_history(r, wait_s=60)}))
+    return [(offline_run_id(r), sorted({row["_step"] for row in read_offline_history(r, wait_s=60)}))
             for r in offline_runs(run_dir)]
 
 

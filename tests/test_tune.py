@@ -213,7 +213,7 @@ def test_a_trial_run_again_continues_from_its_checkpoint_and_wandb_run(tmp_path,
     import ray.util
 
     import rayspec.cli.tune as tune_cli
-    from rayspec.training.loggers import RUN_FILE, offline_runs, read_offline_history
+    from rayspec.training.loggers import RUN_FILE, offline_run_id, offline_runs, read_offline_history
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -241,6 +241,6 @@ def test_a_trial_run_again_continues_from_its_checkpoint_and_wandb_run(tmp_path,
     assert summary["resumed_from"] == 2 and summary["updates"] == 6
     assert [r["step"] for r in reported] == [2, 4, 6]  # Tune hears of every evaluation once
     runs = offline_runs(run_dir)
-    assert [r.name.rsplit("-", 1)[-1] for r in runs] == [first["id"]] * 2
+    assert [offline_run_id(r) for r in runs] == [first["id"]] * 2
     history = [sorted({row["_step"] for row in read_offline_history(r, wait_s=60)}) for r in runs]
     assert history == [[2, 4], [6]]  # update 4's loss reached W&B before the failure: not sent again

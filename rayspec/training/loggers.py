@@ -295,6 +295,12 @@ def offline_runs(run_dir: str | os.PathLike) -> list[Path]:
     return sorted((Path(run_dir) / "wandb").glob("offline-run-*"))
 
 
+def offline_run_id(run: str | os.PathLike) -> str:
+    """The W&B run id of an offline run directory, ``offline-run-<YYYYMMDD_HHMMSS>-<id>[-<n>]``: W&B adds
+    ``-<n>`` when a resumed run starts within the same second as the directory it continues."""
+    return Path(run).name.split("-")[3]
+
+
 def read_offline_history(run: str | os.PathLike, wait_s: float = 0.0) -> list[dict[str, Any]]:
     """The history rows (``wandb.log`` calls, with ``_step``) of an offline run directory or run file.
 
