@@ -37,7 +37,7 @@ import torch
 import rayspec.core.swap
 from benchmarks._common import table, write
 from benchmarks.peer_setup import PeerConfig, build_parts, make_batches
-from rayspec.core.optim import non_finite_grad
+from rayspec.core.grads import non_finite_grad
 from rayspec.core.stage import Stage
 
 RUNS = {  # name: (policy, update every, s, pointer swap)

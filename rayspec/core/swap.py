@@ -13,15 +13,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["SWAP_STORAGE", "WeightSwap", "swap_in", "swap_out"]
+__all__ = ["SWAP_STORAGE", "Swap", "WeightSwap", "swap_in", "swap_out"]
 
 SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 """Exchange two tensors' memory by pointer; without it, or for a tensor that shares its storage, ``swap_in``
 copies."""
 
-Swap = tuple[torch.Tensor, float | None] | None
-"""Per parameter: ``None`` (keep it), ``(v, alpha)`` (the storage holds ``W + alpha * v``, computed into
-the scratch copy) or ``(w, None)`` (the storage holds ``w``)."""
+Swap = torch.Tensor | tuple[torch.Tensor, float, float] | None
+"""Per parameter: ``None`` (keep it), ``w`` (the storage holds ``w``) or ``(d, a, b)`` (the storage holds
+``a * W + b * d``, computed into the scratch copy: a prediction, ``rayspec.core.predict``)."""
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
@@ -70,9 +70,15 @@ class WeightSwap:
             for i, (p, swap) in enumerate(zip(self.params, self.swaps)):
                 if swap is None:
                     continue
-                t, alpha = swap
-                if alpha is not None:  # the prediction goes into the scratch copy
-                    t = torch.add(p.data, t, alpha=alpha, out=self.scratch()[i])
+                if isinstance(swap, torch.Tensor):
+                    t = swap
+                else:  # the prediction goes into the scratch copy
+                    d, a, b = swap
+                    t = self.scratch()[i]
+                    if a == 1.0:
+                        torch.add(p.data, d, alpha=b, out=t)
+                    else:
+                        torch.mul(p.data, a, out=t).add_(d, alpha=b)
                 self.swapped.append((p.data, t, swap_in(p.data, t)))
 
     def __exit__(self, *exc: object) -> None:

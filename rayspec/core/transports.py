@@ -10,17 +10,19 @@ from dataclasses import dataclass
 
 from rayspec.errors import ConfigError
 
-__all__ = ["Transport", "TRANSPORTS", "resolve_transport", "check_placement"]
+__all__ = ["Transport", "TRANSPORTS", "resolve_transport", "check_placement", "check_global_norm"]
 
 
 @dataclass(frozen=True)
 class Transport:
-    """One transport: its name, whether its stages may sit on CPUs and on GPUs, and what it does."""
+    """One transport: its name, whether its stages may sit on CPUs and on GPUs, what it does, and whether an update
+    can wait for every stage's gradient norm (global clipping; ``rayspec.core.grads``)."""
 
     name: str
     cpu: bool
     gpu: bool
     summary: str
+    global_norm: bool = True
 
 
 _ALL = (
@@ -29,7 +31,7 @@ _ALL = (
     Transport("object_store", True, True, "an actor call per action; tensors through Ray's object store"),
     Transport("gloo", True, True, "an actor call per action; tensors by Ray Direct Transport over gloo"),
     Transport("nccl", False, True, "an actor call per action; tensors by Ray Direct Transport over NCCL"),
-    Transport("compiled", True, True, "a Ray Compiled Graph per chunk shape"),
+    Transport("compiled", True, True, "a Ray Compiled Graph per chunk shape", global_norm=False),
 )
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in _ALL}
 
@@ -57,4 +59,15 @@ def check_placement(name: str, gpus_per_stage: float) -> None:
         raise ConfigError(
             f"pipeline.transport={name} moves CPU tensors over gloo, but pipeline.gpus_per_stage={gpus_per_stage:g}; "
             "use pipeline.transport=nccl or compiled for stages on GPUs, or pipeline.gpus_per_stage=0"
+        )
+
+
+def check_global_norm(name: str, method: str) -> None:
+    """Raise ``ConfigError`` when transport ``name`` cannot clip ``method``'s updates by the global gradient norm."""
+    if not TRANSPORTS[name].global_norm:
+        able = ", ".join(t.name for t in _ALL if t.global_norm and t.name != "auto")
+        raise ConfigError(
+            f"optim.clip_grad_norm with pipeline.method={method} clips by the gradient norm over all stages, which "
+            f"pipeline.transport={name} cannot gather before an update (a compiled graph's calls are fixed); use "
+            f"pipeline.transport= one of {able}, or pipeline.executor=local, or optim.clip_grad_norm=null"
         )
