@@ -18,6 +18,7 @@ from rayspec.config.sections import (
     TrainConfig,
 )
 from rayspec.core.methods import METHODS
+from rayspec.core.transports import check_global_norm
 from rayspec.errors import ConfigError
 
 __all__ = ["Config", "LOGGERS", "from_mapping", "merge", "defaults"]
@@ -70,6 +71,9 @@ class Config:
                 f"train.batch_size={t.batch_size} is not divisible by pipeline.stages={p.stages}; {p.method} "
                 "splits each batch into equal shards, one per worker: pick a multiple of pipeline.stages"
             )
+        if self.optim.clip_grad_norm is not None and METHODS[p.method].flushes and p.executor == "ray" \
+                and p.transport != "auto":
+            check_global_norm(p.transport, p.method)
         if not isinstance(self.model.get("name"), str):
             raise ConfigError("model.name must be set, e.g. model=mlp")
         if not isinstance(self.data.get("name"), str):
