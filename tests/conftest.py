@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -52,6 +53,18 @@ def microbatches(data, updates, batch, group=1):
     x, y = data.train.tensors
     x, y = x[: updates * batch], y[: updates * batch]
     return list(zip(x.split(batch // group), y.split(batch // group)))
+
+
+@contextlib.contextmanager
+def threads(count):
+    """torch's intra-op threads for a while: a stage actor computes at one thread, and a matmul's rounding may
+    depend on how many threads split it (enough to move AdamW, which divides by the root of tiny moments)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_local(model, data, method, n, updates=16, batch=32, group=None, variant="paper", **kw):

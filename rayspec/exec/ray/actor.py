@@ -53,10 +53,12 @@ class StageActor:
             stage.to("cuda")
         self.stage = stage
         self.losses: dict[int, float] = {}
+        self.failed: BaseException | None = None  # a failed finish_update, raised again by every later action
         log.debug("[stage %d] loaded", stage.index)
 
     # ------------------------------------------------------------------ actions
     def forward(self, m: int, x: Activation, labels: Any = None, s: int = 0) -> Activation:
+        self._raise_failed()
         out = self.stage.forward(m, as_tensors(x), as_tensors(labels), s)
         if self.stage.is_last:
             self.losses[m] = float(out)
@@ -64,16 +66,35 @@ class StageActor:
         return _contiguous(out)
 
     def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False) -> Activation:
+        self._raise_failed()
         return _contiguous(self.stage.backward(m, grad, s, update))
 
     def forward_backward(self, m: int, x: Activation, labels: Any, s: int, s_b: int, update: bool) -> Activation:
         """The last stage's ``F(m)`` and ``B(m)`` in one call: one actor call fewer on the critical path."""
+        self._raise_failed()
         self.losses[m] = float(self.stage.forward(m, as_tensors(x), as_tensors(labels), s))
         return _contiguous(self.stage.backward(m, None, s_b, update))
 
     def pop_losses(self) -> dict[int, float]:
         out, self.losses = self.losses, {}
         return out
+
+    def grad_norms(self) -> torch.Tensor:
+        """The norms of this stage's gradients (global clipping: ``Stage.grad_norms``)."""
+        return self.stage.grad_norms()
+
+    def finish_update(self, *norms: torch.Tensor) -> None:
+        """Apply the update waiting for the global norm, from every stage's ``grad_norms`` (stage 0's first). The
+        object-store transport waits on no call of it: a failure here is raised again by the stage's next action."""
+        try:
+            self.stage.finish_update(norms)
+        except BaseException as err:
+            self.failed = err
+            raise
+
+    def _raise_failed(self) -> None:
+        if self.failed is not None:
+            raise self.failed
 
     # ------------------------------------------------------------------ p2p (rayspec.exec.ray.p2p)
     def p2p_rendezvous(self, world: int, timeout_s: float) -> tuple[str, int]:

@@ -11,6 +11,11 @@ The chunks and when a send is waited on: ``rayspec.exec.ray.p2p_plan``; the mess
 ``rayspec.exec.ray.p2p_wire``. The tag names the micro-batch and the direction, so a stage may
 receive in another order than its neighbour sent.
 
+With global clipping a stage, right after sending the gradient of an update-carrying backward, all-gathers
+every stage's gradient norms over a second gloo group of the stage actors and applies its update: one
+collective of ``(tensors of the largest stage + 1)`` floats per stage and update (a few hundred bytes), and
+each stage's update waits for the slowest stage's backward, as it must.
+
 Per stage, the actions run in the schedule's order, so this path computes what
 ``LocalExecutor`` computes. An error inside a stage leaves its neighbours waiting in ``recv``:
 the actors are then replaced, all of them (``replaces = "all"``), never reused.
@@ -49,6 +54,8 @@ class P2PEndpoint:
     def __init__(self, ops: StageOps) -> None:
         self.ops = ops
         self.store: Any = None
+        self.norms_group: Any = None  # the gloo group the gradient norms are gathered over
+        self.width: tuple[Any, int] | None = None  # (stage, most gradient tensors of any stage)
 
     def rendezvous(self, world: int, timeout_s: float) -> tuple[str, int]:
         """Host the group's rendezvous store (stage 0) on a port the system picks; its address and port."""
@@ -68,6 +75,7 @@ class P2PEndpoint:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = self.store if rank == 0 else dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        self.norms_group = dist.new_group(backend="gloo", timeout=timeout)
 
     def run(self, ops: Sequence[P2POp], data: dict, last: bool) -> dict[int, float]:
         """Run this stage's ops of one chunk; ``data``: stage 0's inputs by ``m``, the last stage's labels by
@@ -99,9 +107,26 @@ class P2PEndpoint:
             kind, to = ("F", k + 1) if op.kind == "F" else ("B", k - 1)
             if 0 <= to < n:
                 self.send(out, to, tag(kind, op.m))
+            if self.ops.stage.waiting:  # global clipping: its gradient is sent, now the norms
+                self.finish_update()
         if last:
             self.wait_sends()
         return self.ops.pop_losses()
+
+    def finish_update(self) -> None:
+        """Gather every stage's gradient norms (``[count, norms..., padding]`` each) and apply the waiting update."""
+        stage = self.ops.stage
+        world = dist.get_world_size()
+        if self.width is None or self.width[0] is not stage:  # once per stage object: the largest stage's count
+            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(counts, torch.tensor([len(stage.params)]), group=self.norms_group)
+            self.width = (stage, max(int(c) for c in counts))
+        own = stage.grad_norms()
+        mine = torch.zeros(self.width[1] + 1, dtype=own.dtype)
+        mine[0], mine[1 : 1 + len(own)] = len(own), own
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine, group=self.norms_group)
+        self.ops.finish_update(*(p[1 : 1 + int(p[0])] for p in parts))
 
     def send(self, value: Any, peer: int, t: int) -> None:
         """Send ``value`` to stage ``peer`` as message ``t`` (waited on later: ``wait_sends``)."""

@@ -44,6 +44,8 @@ class StageOps(Protocol):
 
     def pop_losses(self) -> dict[int, float]: ...
 
+    def finish_update(self, *norms: torch.Tensor) -> None: ...
+
 
 class Transport(ABC):
     """One data path between the stage actors.
@@ -55,12 +57,16 @@ class Transport(ABC):
             recover, the executor must be recreated.
         env: environment variables of the stage actors (``None``: Ray's defaults).
         broken: a failed segment left the actors unusable; the next ``load`` recreates them.
+        global_norm: the stages' updates wait for the gradient norm over all stages (global clipping, set by
+            the executor from the stages it ships): the transport gathers every stage's ``grad_norms`` and
+            hands them to each stage's ``finish_update`` before any stage acts again.
     """
 
     name: str
     replaces: Literal["dead", "all", "none"] = "dead"
     env: dict[str, str] | None = None
     broken: bool = False
+    global_norm: bool = False
 
     def start(self, actors: Sequence[Any]) -> None:
         """Take the (new) live stage actors, stage 0 first, and set up what the path needs among them."""
