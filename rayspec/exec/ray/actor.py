@@ -36,6 +36,7 @@ class StageActor:
 
     def __init__(self, stage: Stage, threads: int = 1) -> None:
         torch.set_num_threads(max(1, threads))
+        _warm_up_backward()
         # Zero-copy transport is safe here: a stage sends only fresh activations and gradients that
         # it never writes again, and copies what it receives before writing (``load``).
         warnings.filterwarnings("ignore", message="Zero-copy tensor serialization is enabled")
@@ -140,6 +141,15 @@ class StageActor:
 
     def checkpoint_state(self) -> dict[str, Any]:
         return self.stage.checkpoint_state()
+
+
+def _warm_up_backward() -> None:
+    """One tiny backward given an output gradient, as a stage's backward is. The first such backward in a process
+    imports ``torch.fx.experimental.symbolic_shapes`` (``torch.autograd``'s ``_make_grads``), 0.16 s on an idle
+    2-core machine and 0.4-0.6 s on a busy one: in a pipeline's first segment the stages paid it one after another,
+    each first backward waiting for its successor's. Here each actor pays it while it starts, all at once."""
+    x = torch.ones(1, requires_grad=True)
+    torch.autograd.backward([x * 2.0], [torch.ones(1)])
 
 
 def _contiguous(x: Activation) -> Activation:
