@@ -102,7 +102,7 @@ class PredictionProbe:
             self.index.append(local.to(p.device))
             start += n
         self.size = int(chosen.numel())
-        self._used = {k for k, i in enumerate(self.index) if i.numel()}
+        self._used = [k for k, i in enumerate(self.index) if i.numel()]  # parameters with sampled coordinates
         self._held: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, weights, direction) samples
         self._zeros = {k: torch.zeros(len(i), dtype=params[k].dtype, device=params[k].device)
                        for k, i in enumerate(self.index) if i.numel()}
@@ -113,11 +113,11 @@ class PredictionProbe:
     def sample(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The sampled coordinates of parameter-shaped ``tensors`` (weights, direction; None reads as zeros),
         in float64 on the CPU."""
-        parts = [t.detach().reshape(-1).index_select(0, i) if t is not None else self._zeros[k]
-                 for k, (t, i) in enumerate(zip(tensors, self.index)) if k in self._used]
+        parts = [self._zeros[k] if (t := tensors[k]) is None else t.detach().reshape(-1).index_select(0, self.index[k])
+                 for k in self._used]
         if not parts:
             return torch.zeros(0, dtype=torch.float64)
-        return torch.cat([q.to(parts[0].dtype) for q in parts]).to("cpu", torch.float64)
+        return torch.cat(parts).to("cpu", torch.float64)
 
     def held(self, version: int, params: list[torch.nn.Parameter],
              direction: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,10 +149,9 @@ class PredictionProbe:
             return
         true, d_now = self.held(version, params, direction)
         for stale, pred, step in waiting:
-            pred_sq, stale_sq = (pred - true).square(), (stale - true).square()
             flipped = (step * d_now > 0).double()  # the step goes along -D: the same sign as D now: D changed sign
-            values = torch.stack([pred_sq.sum(), stale_sq.sum(), ((true - stale) * step).sum(), step.square().sum(),
-                                  (pred_sq * flipped).sum(), (stale_sq * flipped).sum(), flipped.sum()]).tolist()
+            terms = torch.stack([(pred - true).square(), (stale - true).square(), (true - stale) * step, step.square()])
+            values = torch.cat([terms.sum(1), (terms[:2] * flipped).sum(1), flipped.sum().reshape(1)]).tolist()
             sums = dict(zip(SUMS[:6], values[:6]), flipped=int(values[6]), coords=int(true.numel()))
             self.totals["actions"] += 1
             for k, v in sums.items():

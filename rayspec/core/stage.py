@@ -283,7 +283,8 @@ class Stage:
         Args:
             norms: with clipping, every stage's ``grad_norms()`` in stage order (global); None: this stage's own.
         """
-        problem = check_and_clip(self.module, self.params, self.clip_grad_norm, norms)
+        own = norms[self.index] if norms is not None else None
+        problem = check_and_clip(self.module, self.params, self.clip_grad_norm, norms, own)
         if problem is not None:
             raise FloatingPointError(f"{problem} at update {self.version + 1} on stage {self.index}; "
                                      "lower optim.lr or add warm-up (optim.warmup)")

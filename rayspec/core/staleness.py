@@ -93,7 +93,7 @@ class ActionWeights:
         used: list[torch.Tensor] | None = None
         kept: list[torch.Tensor | None] | None = None
         try:
-            with WeightSwap(self.params, swaps, self._scratch):
+            with WeightSwap(self.optimizer.aliases, swaps, self._scratch):
                 if probe is not None and stale is not None and held is not None and target is not None:
                     a, b = coefficients("linear", s, version, self.lr, self.optimizer)
                     paper = held * b if a == 1.0 else stale * (a - 1.0) + held * b

@@ -52,13 +52,14 @@ class WeightSwap:
     """Context that puts other weights into ``params``' storage and restores them bit-exactly on exit.
 
     Args:
-        params: the stage's parameters.
+        params: the stage's parameters, or tensors that share their storage objects (``p.data``, the
+            optimizer's aliases: no new tensor per parameter and action).
         swaps: per parameter, a ``Swap`` (see its doc); ``None`` keeps every parameter.
         scratch: the stage's one scratch copy of its parameters (allocated on first use), which
             predictions are computed into.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], swaps: Sequence[Swap] | None,
+    def __init__(self, params: Sequence[torch.Tensor], swaps: Sequence[Swap] | None,
                  scratch: Callable[[], list[torch.Tensor]]) -> None:
         self.params, self.swaps, self.scratch = params, swaps, scratch
         self.swapped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
@@ -67,19 +68,22 @@ class WeightSwap:
         if self.swaps is None:
             return
         with torch.no_grad():
+            scratch = None
             for i, (p, swap) in enumerate(zip(self.params, self.swaps)):
                 if swap is None:
                     continue
+                w = p.data if isinstance(p, torch.nn.Parameter) else p  # .data: its own version counter
                 if isinstance(swap, torch.Tensor):
                     t = swap
                 else:  # the prediction goes into the scratch copy
                     d, a, b = swap
-                    t = self.scratch()[i]
+                    scratch = scratch or self.scratch()
+                    t = scratch[i]
                     if a == 1.0:
-                        torch.add(p.data, d, alpha=b, out=t)
+                        torch.add(w, d, alpha=b, out=t)
                     else:
-                        torch.mul(p.data, a, out=t).add_(d, alpha=b)
-                self.swapped.append((p.data, t, swap_in(p.data, t)))
+                        torch.mul(w, a, out=t).add_(d, alpha=b)
+                self.swapped.append((w, t, swap_in(w, t)))
 
     def __exit__(self, *exc: object) -> None:
         with torch.no_grad():
