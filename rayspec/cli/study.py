@@ -1,4 +1,4 @@
-"""``python -m rayspec.study study=NAME``: every method against sequential SGD over stage counts and seeds.
+"""``python -m rayspec.study study=NAME``: every method against sequential training over stage counts and seeds.
 
 A study (``rayspec/conf/study/NAME.yaml``) names one workload as training overrides of the run
 configuration, the methods, the stage counts and the seeds. Each run trains through ``rayspec.training.train`` with the
@@ -7,7 +7,7 @@ evaluation the run's merged weights are compared with the sequential run's weigh
 The results (``study.md``, ``study_results.json``, ``learning_curves.png``, ``distance.png``, ``prediction.png``) go to the
 study's output directory, one sub-directory per run under ``runs/``.
 
-[Note: one sequential baseline per seed] A ``vanilla`` pipeline is bit-exactly sequential SGD at any
+[Note: one sequential baseline per seed] A ``vanilla`` pipeline is bit-exactly sequential training at any
 stage count (``tests/test_stage.py``), so the baseline trains once per seed, on one stage. The exception
 is a model with active dropout: each stage draws its masks from its own random stream, so vanilla on
 ``N`` stages samples other masks than on one; the baseline then trains once per seed and stage count,
@@ -224,7 +224,7 @@ def run_study(study: Study, resume: bool = True, echo: Callable[[str], None] = p
     (directory / "runs").mkdir(parents=True, exist_ok=True)
     runs = plan_runs(study)
     baseline = ("vanilla once per seed and stage count (the model has dropout: per-stage random streams)"
-                if study.per_stage_baseline else "vanilla once per seed on one stage (bit-exactly sequential SGD at "
+                if study.per_stage_baseline else "vanilla once per seed on one stage (bit-exactly sequential training at "
                 "any stage count)")
     echo(f"rayspec.study: {study.name}: {len(runs)} runs ({', '.join(study.methods)} at {study.stages} stages, "
          f"seeds {study.seeds}; baseline: {baseline}) in {directory}")
