@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -40,10 +41,11 @@ def tiny():
 
 
 def make_stages(model, method, n, *, lr=0.05, momentum=0.9, weight_decay=1e-4, group=None, record=False,
-                backward="mixed", nesterov=False, predictor="linear", probe=4096):
+                backward="mixed", nesterov=False, predictor="linear", probe=4096, **settings):
+    """``settings``: more of ``Stage``'s keyword arguments (``optimizer``, ``betas``, ``clip_grad_norm``, ...)."""
     parts = split(copy.deepcopy(model), uniform(len(model), n))
     return stages_for(parts, method, lr=lr, momentum=momentum, weight_decay=weight_decay, group=group or 1,
-                      record=record, backward=backward, nesterov=nesterov, predictor=predictor, probe=probe)
+                      record=record, backward=backward, nesterov=nesterov, predictor=predictor, probe=probe, **settings)
 
 
 def microbatches(data, updates, batch, group=1):
@@ -51,6 +53,18 @@ def microbatches(data, updates, batch, group=1):
     x, y = data.train.tensors
     x, y = x[: updates * batch], y[: updates * batch]
     return list(zip(x.split(batch // group), y.split(batch // group)))
+
+
+@contextlib.contextmanager
+def threads(count):
+    """torch's intra-op threads for a while: a stage actor computes at one thread, and a matmul's rounding may
+    depend on how many threads split it (enough to move AdamW, which divides by the root of tiny moments)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_local(model, data, method, n, updates=16, batch=32, group=None, variant="paper", **kw):
@@ -70,6 +84,40 @@ def plain_sgd(model, data, updates, batch, lr=0.05, momentum=0.9, weight_decay=1
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+    return model.state_dict()
+
+
+ADAMW = {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.01, "betas": (0.9, 0.99), "eps": 1e-8}
+"""Stage settings of the AdamW runs the tests compare (a rate at which a few updates move the tiny MLP)."""
+
+
+def torch_optimizer(params, optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=False,
+                    betas=(0.9, 0.999), eps=1e-8, fused=True, **_):
+    """torch's optimizer that a stage's ``Optimizer`` with these settings equals, of the same (fused) kernel."""
+    kernel = {"fused": True} if fused else {}
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+                               **kernel)
+    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
+    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel)
+
+
+def plain_torch(model, data, updates, batch, clip_grad_norm=None, precision="fp32", every=None, **settings):
+    """The reference: torch's optimizer (``torch_optimizer(**settings)``) on the whole unpartitioned model, one update
+    per batch, gradients clipped by ``clip_grad_norm_`` when given; with ``every``, called with the weights after
+    each update."""
+    model = copy.deepcopy(model)
+    opt = torch_optimizer(model.parameters(), **settings)
+    for i, (x, y) in enumerate(microbatches(data, updates, batch)):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        opt.step()
+        if every is not None:
+            every(i, model.state_dict())
     return model.state_dict()
 
 

@@ -20,7 +20,7 @@ QUIET = {"echo": lambda _: None}
 
 
 def settings(method: str, variant: str = "paper", executor: str = "local", predictor: str = "linear",
-             **train_opts) -> dict:
+             optim: dict | None = None, **train_opts) -> dict:
     return {
         "model": {"name": "mlp", "size": "tiny"},
         "data": {"name": "synthetic_image", "train_size": 320, "val_size": 64},
@@ -29,7 +29,7 @@ def settings(method: str, variant: str = "paper", executor: str = "local", predi
         # 12 updates of 16 from 320 samples: the run crosses an epoch (20 batches) only when resumed late; eval_every
         # and checkpoint.every interleave so that segments end at 4, 5, 8, 10, 12.
         "train": {"max_steps": 12, "batch_size": 16, "log_every": 1, "eval_every": 4, **train_opts},
-        "optim": {"lr": 0.08, "weight_decay": 1e-3, "schedule": "poly"},
+        "optim": {"lr": 0.08, "weight_decay": 1e-3, "schedule": "poly", **(optim or {})},
         "checkpoint": {"every": 5, "keep": 2},
     }
 
@@ -68,10 +68,19 @@ def interrupted_then_resumed(cfg: dict, tmp_path: Path, stop_at: int = 7, resume
     ("pipedream", "paper", "linear"), ("spectrain", "paper", "linear"), ("spectrain", "consistent", "linear"),
     ("spectrain", "paper", "adaptive"),  # the damping and the probe's pending predictions are checkpointed too
     ("spectrain accumulate=2", "paper", "linear"),
+    ("spectrain adamw", "paper", "momentum"),  # AdamW's moments and step counts
+    ("gpipe adamw clip bf16", "paper", "linear"),  # global clipping, bfloat16 between stages
+    ("spectrain adamw clip bf16", "consistent", "adaptive"),
 ])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, method, variant, predictor):
-    method, *accumulate = method.split(" accumulate=")
-    cfg = settings(method, variant, predictor=predictor)
+    method, *options = method.split(" ")
+    optim = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01} if "adamw" in options else {}
+    cfg = settings(method, variant, predictor=predictor, optim=optim)
+    if "clip" in options:
+        cfg["optim"]["clip_grad_norm"] = 0.5
+    if "bf16" in options:
+        cfg["train"]["precision"] = "bf16"
+    accumulate = [o.split("=")[1] for o in options if o.startswith("accumulate=")]
     cfg["pipeline"]["accumulate"] = int(accumulate[0]) if accumulate else 1
     full = train(from_mapping(cfg), tmp_path / "a", **QUIET)
     resumed = interrupted_then_resumed(cfg, tmp_path)
@@ -98,9 +107,10 @@ def test_resume_depends_on_the_saved_optimizer_state(tmp_path):
         train(from_mapping(cfg), tmp_path / "b", callbacks=[StopAfter(7)], **QUIET)
     path = CheckpointStore(tmp_path / "b" / "checkpoints").latest()
     state = load_checkpoint(path)
-    assert state["step"] == 5 and all(m is not None for st in state["stages"] for m in st["momentum"])
-    for st in state["stages"]:
-        st["momentum"] = [torch.zeros_like(m) for m in st["momentum"]]
+    buffers = [b["momentum_buffer"] for st in state["stages"] for b in st["optimizer"]["state"].values()]
+    assert state["step"] == 5 and len(buffers) == sum(st["parameters"] for st in state["stages"])
+    for b in buffers:
+        b.zero_()
     torch.save(state, path)
     cfg["checkpoint"]["resume"] = str(path)
     train(from_mapping(cfg), tmp_path / "c", **QUIET)

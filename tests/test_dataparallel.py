@@ -12,7 +12,7 @@ from conftest import assert_same_weights
 from test_train import compose_config
 
 from rayspec.config import ConfigError, from_mapping
-from rayspec.core.optim import LRSchedule
+from rayspec.core.lr import LRSchedule
 from rayspec.data.loader import train_batches
 from rayspec.training import train
 from rayspec.training.prepare import prepare

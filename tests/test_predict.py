@@ -5,42 +5,99 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_local
+from conftest import ADAMW, run_local
 
-from rayspec.core.optim import SGD, LRSchedule
-from rayspec.core.predict import PredictionProbe, step_scale
+from rayspec.core.lr import LRSchedule
+from rayspec.core.optim import Optimizer, OptimSpec
+from rayspec.core.predict import PredictionProbe, coefficients
 
 
-def _after_steps(lr: LRSchedule, momentum: float, s: int, grad_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One parameter after a first update (velocity set), then ``s`` more with gradients ``grad_of(velocity)``:
-    (weights and velocity before the ``s`` updates, weights after)."""
+def _first_update(name: str, **spec) -> tuple[torch.nn.Parameter, Optimizer]:
+    """One parameter after one update at lr 0.1 from a random gradient (its optimizer has a direction)."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(50))
-    opt = SGD([p], momentum=momentum)
+    opt = Optimizer([p], OptimSpec(name, **spec))
     p.grad = torch.randn(50)
-    opt.step(lr(0))
-    w, v = p.data.clone(), opt.buffers[0].clone()
+    opt.step(0.1)
+    return p, opt
+
+
+def _prediction(p: torch.nn.Parameter, opt: Optimizer, predictor: str, s: int, version: int,
+                lr: LRSchedule) -> torch.Tensor:
+    a, b = coefficients(predictor, s, version, lr, opt)
+    return a * p.data + b * opt.direction()[0]
+
+
+def _steps(p: torch.nn.Parameter, opt: Optimizer, s: int, version: int, lr: LRSchedule, grad_of) -> torch.Tensor:
+    """The weights after ``s`` more updates from ``version``, with gradients ``grad_of()``."""
     for i in range(s):
-        p.grad = grad_of(opt.buffers[0])
-        opt.step(lr(1 + i))
-    return w, v, p.data.clone()
+        p.grad = grad_of()
+        opt.step(lr(version + i))
+    return p.data.clone()
 
 
 @pytest.mark.parametrize("s", [1, 3, 6])
-def test_each_predictor_is_exact_where_its_assumption_holds(s):
-    poly = LRSchedule(0.1, "poly", total=20)
+def test_each_predictor_is_exact_where_its_assumption_holds_sgd(s):
+    poly, const = LRSchedule(0.1, "poly", total=20), LRSchedule(0.1)
     # momentum: no new gradient, so only the momentum in v moves the weights (lr following the schedule)
-    w, v, reached = _after_steps(poly, 0.9, s, lambda buf: torch.zeros_like(buf))
-    torch.testing.assert_close(w + step_scale("momentum", s, 1, poly, 0.9, 1.0) * v, reached, rtol=1e-5, atol=1e-6)
+    p, opt = _first_update("sgd", momentum=0.9)
+    want = _prediction(p, opt, "momentum", s, 1, poly)
+    torch.testing.assert_close(want, _steps(p, opt, s, 1, poly, lambda: torch.zeros(50)), rtol=1e-5, atol=1e-6)
     # linear (the paper's): a gradient that keeps the velocity as it is, at a constant rate
-    const = LRSchedule(0.1)
-    w, v, reached = _after_steps(const, 0.9, s, lambda buf: (1 - 0.9) * buf)
-    torch.testing.assert_close(w + step_scale("linear", s, 1, const, 0.9, 1.0) * v, reached, rtol=1e-5, atol=1e-6)
-    assert step_scale("linear", s, 1, const, 0.9, 1.0) == pytest.approx(-s * 0.1)
-    assert step_scale("adaptive", s, 1, const, 0.9, 0.25) == pytest.approx(-0.25 * s * 0.1)
-    assert step_scale("momentum", s, 1, const, 0.0, 1.0) == 0.0  # plain SGD: the momentum predictor predicts nothing
+    p, opt = _first_update("sgd", momentum=0.9)
+    want = _prediction(p, opt, "linear", s, 1, const)
+    v = opt.direction()[0].clone()
+    torch.testing.assert_close(want, _steps(p, opt, s, 1, const, lambda: (1 - 0.9) * v), rtol=1e-5, atol=1e-6)
+    assert coefficients("linear", s, 1, const, opt) == (1.0, pytest.approx(-s * 0.1))
+    assert coefficients("adaptive", s, 1, const, opt, 0.25) == (1.0, pytest.approx(-0.25 * s * 0.1))
+    _, plain = _first_update("sgd", momentum=0.0)
+    assert coefficients("momentum", s, 1, const, plain) == (1.0, 0.0)  # plain SGD: momentum predicts nothing
     with pytest.raises(ValueError, match="predictor='cubic' is unknown"):
-        step_scale("cubic", s, 1, const, 0.9, 1.0)
+        coefficients("cubic", s, 1, const, opt)
+
+
+def _frozen(p: torch.nn.Parameter, opt: Optimizer, step: int | None = None) -> torch.Tensor:
+    """Make Adam's state one that a gradient ``g = m`` keeps as it is (``v = m^2``), at ``step`` if given; ``m``."""
+    st = opt.torch.state[opt.aliases[0]]
+    st["exp_avg_sq"].copy_(st["exp_avg"].square())
+    if step is not None:
+        st["step"].fill_(step)
+    return st["exp_avg"].clone()
+
+
+@pytest.mark.parametrize("name,wd", [("adam", 0.0), ("adamw", 0.0), ("adamw", 0.05)])
+@pytest.mark.parametrize("s", [1, 3, 6])
+def test_each_predictor_is_exact_where_its_assumption_holds_adam(name, wd, s):
+    const, poly = LRSchedule(0.1), LRSchedule(0.1, "poly", total=20)
+    # linear: the state stays as it is (g = m with v = m^2); its next step, with the bias corrections of the target
+    # step, s times. Exact for one step; for more, where the corrections no longer change (late) and without decay.
+    p, opt = _first_update(name, weight_decay=wd, betas=(0.8, 0.9))
+    m = _frozen(p, opt)
+    want = _prediction(p, opt, "linear", 1, 1, const)
+    torch.testing.assert_close(want, _steps(p, opt, 1, 1, const, lambda: m.clone()), rtol=1e-5, atol=1e-6)
+    if wd == 0.0:
+        p, opt = _first_update(name, weight_decay=wd, betas=(0.8, 0.9))
+        m = _frozen(p, opt, step=10**6)
+        want = _prediction(p, opt, "linear", s, 10**6, const)
+        reached = _steps(p, opt, s, 10**6, const, lambda: m.clone())
+        torch.testing.assert_close(want, reached, rtol=1e-5, atol=1e-6)
+    # momentum: no new gradient; the moments decay, the bias corrections and the lr schedule move on, AdamW's decay
+    # compounds. Exact with eps = 0 (eps enters each step's denominator unscaled).
+    if name == "adam" and wd:
+        return  # Adam's decay enters the gradient: there is no step without a new gradient
+    p, opt = _first_update(name, weight_decay=wd, betas=(0.8, 0.9), eps=0.0)
+    want = _prediction(p, opt, "momentum", s, 1, poly)
+    torch.testing.assert_close(want, _steps(p, opt, s, 1, poly, lambda: torch.zeros(50)), rtol=1e-5, atol=1e-6)
+
+
+def test_adam_direction_is_its_next_step():
+    """With the state as it is, Adam's next step is ``lr * D`` (AdamW: and the decoupled decay): ``D`` uses the bias
+    corrections of that step."""
+    p, opt = _first_update("adamw", weight_decay=0.1)
+    m = _frozen(p, opt)
+    w, d = p.data.clone(), opt.direction()[0].clone()
+    reached = _steps(p, opt, 1, 1, LRSchedule(0.05), lambda: m.clone())
+    torch.testing.assert_close(reached, w * (1 - 0.05 * 0.1) - 0.05 * d, rtol=1e-6, atol=1e-7)
 
 
 def _probe(n: int = 40) -> tuple[PredictionProbe, list[torch.nn.Parameter]]:
@@ -85,29 +142,34 @@ def test_probe_samples_a_fixed_subset():
     assert torch.equal(a.sample([None, None]), torch.zeros(64, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("variant", ["paper", "consistent"])
-def test_probe_equals_distances_from_every_recorded_action(tiny, variant):
+@pytest.mark.parametrize("variant,optimizer", [("paper", "sgd"), ("consistent", "sgd"), ("paper", "adamw")])
+def test_probe_equals_distances_from_every_recorded_action(tiny, variant, optimizer):
     """With every coordinate sampled, the probe's sums are the full-weight distances of every predicted action
-    to the weights the stage held at the target version (read from the records of the same run)."""
+    to the weights the stage held at the target version (read from the records of the same run); the paper's step is
+    ``s`` times the optimizer's next step (AdamW: its decoupled decay included)."""
     model, data = tiny
-    ex, _, _ = run_local(model, data, "spectrain", 4, updates=16, record=True, variant=variant, probe=10**7)
+    settings = ADAMW if optimizer == "adamw" else {}
+    ex, _, _ = run_local(model, data, "spectrain", 4, updates=16, record=True, variant=variant, probe=10**7,
+                         **settings)
     for stage in ex.stages:
         held = {rec["version"]: rec["before"] for rec in stage.records}
         held[stage.version] = [p.data.clone() for p in stage.params]
-        moment = {rec["version"]: rec["velocity"] for rec in stage.records}
-        moment[stage.version] = [None if b is None else b.clone() for b in stage.optimizer.buffers]
+        moment = {rec["version"]: rec["direction"] for rec in stage.records}
+        moment[stage.version] = [None if b is None else b.clone() for b in stage.optimizer.direction()]
         want = dict.fromkeys(("actions", "pred_sq", "stale_sq", "cross", "step_sq", "pred_sq_flipped",
                               "stale_sq_flipped", "flipped", "coords"), 0)
         for rec in stage.records:
             target = rec["version"] + rec["s"]
-            if rec["s"] == 0 or all(v is None for v in rec["velocity"]) or target not in held:
+            if rec["s"] == 0 or all(v is None for v in rec["direction"]) or target not in held:
                 continue
             want["actions"] += 1
-            for before, used, true, v, v_now in zip(rec["before"], rec["used"], held[target], rec["velocity"],
+            a, b = coefficients("linear", rec["s"], rec["version"], stage.lr, stage.optimizer)  # the paper's step
+            for before, used, true, v, v_now in zip(rec["before"], rec["used"], held[target], rec["direction"],
                                                     moment[target]):
                 before, used, true = before.double(), used.double(), true.double()
-                step = torch.zeros_like(before) if v is None else -rec["s"] * rec["lr"] * v.double()
-                flipped = (torch.sign(v) * torch.sign(v_now) < 0 if v is not None and v_now is not None
+                step = torch.zeros_like(before) if v is None else (a - 1) * before + b * v.double()
+                # flipped: the paper's step goes against the direction at the target (SGD: the velocity changed sign)
+                flipped = (step * v_now.double() > 0 if v is not None and v_now is not None
                            else torch.zeros_like(before, dtype=torch.bool))
                 want["pred_sq"] += float((used - true).square().sum())
                 want["stale_sq"] += float((before - true).square().sum())
@@ -134,10 +196,10 @@ def test_adaptive_steps_along_the_velocity_by_at_most_the_paper_step(tiny):
     factors = []
     for stage in ex.stages:
         for rec in stage.records:
-            if rec["s"] == 0 or rec["velocity"][0] is None:
+            if rec["s"] == 0 or rec["direction"][0] is None:
                 continue
             moved = torch.cat([(u - b).reshape(-1) for u, b in zip(rec["used"], rec["before"])]).double()
-            v = torch.cat([x.reshape(-1) for x in rec["velocity"]]).double()
+            v = torch.cat([x.reshape(-1) for x in rec["direction"]]).double()
             factor = float(moved @ v / (v @ v))
             torch.testing.assert_close(moved, factor * v, rtol=1e-4, atol=1e-6)  # along v
             factors.append(factor / (-rec["s"] * rec["lr"]))  # the damping used

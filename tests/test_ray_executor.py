@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import METHODS, assert_same_weights, make_stages, microbatches, plain_sgd, run_local
+from conftest import ADAMW, METHODS, assert_same_weights, make_stages, microbatches, plain_sgd, run_local, threads
 
+from rayspec.config import ConfigError
 from rayspec.core.methods import METHODS as REGISTRY
 from rayspec.core.schedule import build_schedule
 from rayspec.exec.ray import RayExecutor
@@ -26,9 +27,9 @@ def executor(request, ray_session, tiny):
 
 
 def _run_ray(ex, model, data, method, variant="paper", backward="mixed", updates=UPDATES, batch=32, predictor="linear",
-             group=None):
+             group=None, **settings):
     group = group or (4 if method == "gpipe" else 1)
-    ex.load(make_stages(model, method, N, group=group, backward=backward, predictor=predictor))
+    ex.load(make_stages(model, method, N, group=group, backward=backward, predictor=predictor, **settings))
     ex.method, ex.variant = method, variant
     schedule = build_schedule(REGISTRY[method].schedule, N, updates * group, group=group)
     seen = []
@@ -47,6 +48,50 @@ def test_ray_equals_local(executor, tiny, method):
     stats = executor.stage_stats()
     assert [s["version"] for s in stats] == [UPDATES] * N
     assert all(s["actions"]["F"] == s["actions"]["B"] == UPDATES * (4 if method == "gpipe" else 1) for s in stats)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ray_equals_local_with_adamw(executor, tiny, method):
+    """``optim.name=adamw``: the same numbers on every transport as in one process, SpecTrain's predictions from
+    AdamW's next step included."""
+    model, data = tiny
+    got, losses = _run_ray(executor, model, data, method, **ADAMW)
+    with threads(1):  # as the stage actors
+        ref_ex, ref_losses, _ = run_local(model, data, method, N, updates=UPDATES, **ADAMW)
+    assert_same_weights(got, ref_ex.state_dict())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+
+
+@pytest.mark.parametrize("method", ["vanilla", "gpipe"])
+def test_ray_global_clipping_equals_local(executor, tiny, method):
+    """Where the pipeline flushes, every transport that can gather the stages' gradient norms before an update clips
+    by the global norm as the local executor does (= clipping the whole model); ``compiled`` refuses, naming the
+    ones that can."""
+    model, data = tiny
+    if executor.transport == "compiled":
+        with pytest.raises(ConfigError, match=r"pipeline.transport=compiled cannot gather .* use pipeline.transport= "
+                                              r"one of p2p, p2p_nccl, object_store, gloo, nccl, or pipeline.executor=local"):
+            _run_ray(executor, model, data, method, clip_grad_norm=0.05)
+        return
+    got, losses = _run_ray(executor, model, data, method, clip_grad_norm=0.05, **ADAMW)
+    with threads(1):
+        ref_ex, ref_losses, _ = run_local(model, data, method, N, updates=UPDATES, clip_grad_norm=0.05, **ADAMW)
+    assert_same_weights(got, ref_ex.state_dict())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+
+
+@pytest.mark.parametrize("method", ["gpipe", "spectrain"])
+def test_ray_equals_local_in_bf16(executor, tiny, method):
+    """``train.precision=bf16``: bfloat16 activations and gradients cross every transport (numpy has no bfloat16:
+    the object store carries torch tensors) and the numbers equal the local executor's."""
+    model, data = tiny
+    got, losses = _run_ray(executor, model, data, method, precision="bf16", **ADAMW)
+    with threads(1):
+        ref_ex, ref_losses, _ = run_local(model, data, method, N, updates=UPDATES, precision="bf16", **ADAMW)
+    assert_same_weights(got, ref_ex.state_dict())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    sent = [st["sent_bytes"]["F"] for st in executor.stage_stats()][:-1]
+    assert sent == [st.stats.sent_bytes["F"] for st in ref_ex.stages][:-1] and all(sent)
 
 
 @pytest.mark.parametrize("variant,backward,predictor", [("consistent", "mixed", "linear"),

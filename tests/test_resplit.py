@@ -58,15 +58,18 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "model.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("method,executor", [("gpipe", "local"), ("vanilla", "local"), ("gpipe", "ray")])
+@pytest.mark.parametrize("method,executor,optimizer", [("gpipe", "local", "sgd"), ("vanilla", "local", "sgd"),
+                                                      ("gpipe", "ray", "sgd"), ("gpipe", "local", "adamw")])
 def test_synchronous_run_resumed_on_2_stages_then_on_4_equals_the_uninterrupted_run(tmp_path, request, method,
-                                                                                     executor):
+                                                                                     executor, optimizer):
     """4 stages to update 4, 2 stages to update 8 (on ``executor``: the Ray run re-splits in its driver actor), 4
-    stages to the end: the weights of an uninterrupted 4-stage run, to rounding (the momentum, which carries most of
-    the update, is re-split with the weights)."""
+    stages to the end: the weights of an uninterrupted 4-stage run, to rounding (the optimizer's state, SGD's
+    momentum or AdamW's moments and step counts, is re-split with the weights)."""
     if executor == "ray":
         request.getfixturevalue("ray_session")
     cfg = settings(method, 4)
+    if optimizer == "adamw":
+        cfg["optim"] |= {"name": "adamw", "lr": 0.003, "weight_decay": 0.01}
     full = train(from_mapping(cfg), tmp_path / "a", **QUIET)
     run = tmp_path / "b"
     with pytest.raises(Stop):
@@ -110,10 +113,11 @@ def test_spectrain_resumes_on_another_balance_with_fresh_probes(tmp_path):
     assert all(0.0 <= st["busy_fraction"] <= 1.0 for st in summary["stage_stats"])
 
 
-def tiny_stages(tiny, balance, steps=2):
-    """Stages of ``balance`` after ``steps`` updates (momentum set), drained."""
+def tiny_stages(tiny, balance, steps=2, **settings):
+    """Stages of ``balance`` after ``steps`` updates (optimizer state set), drained."""
     model, data = tiny
-    stages = make_stages(split(copy.deepcopy(model), balance), "spectrain", lr=0.05, momentum=0.9, seed=3)
+    stages = make_stages(split(copy.deepcopy(model), balance), "spectrain", lr=0.05, seed=3,
+                         **({"momentum": 0.9} | settings))
     x, y = data.train.tensors
     for step in range(steps):
         acts = [x[step * 8:(step + 1) * 8]]
@@ -125,35 +129,43 @@ def tiny_stages(tiny, balance, steps=2):
     return stages
 
 
-def test_every_per_parameter_entry_is_cut_by_name(tiny):
-    """Weights, momentum and any other per-parameter entry (an optimizer's second moment here) follow their
-    parameter; an entry every stage shares (a step count) is copied; the stage's own entries start afresh."""
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_every_per_parameter_entry_is_cut_by_name(tiny, optimizer):
+    """Weights and the optimizer's state per parameter (torch's, keyed by parameter index: SGD's momentum, AdamW's
+    moments and step counts) follow their parameter, as do the kept directions; an entry every stage shares (the
+    optimizer's name) is copied; the stage's own entries start afresh."""
     model = tiny[0]
     old, new = [2, 2, 2, 1], [4, 3]
-    states = [st.checkpoint_state() for st in tiny_stages(tiny, old)]
+    states = [st.checkpoint_state() for st in tiny_stages(tiny, old, optimizer=optimizer)]
     names = parameter_names(model, old)
-    for st, stage_names in zip(states, names):  # what a richer optimizer would add
-        st["optimizer"] = {"exp_avg_sq": [torch.full((1,), float(len(n))) for n in stage_names], "step": 2}
-    by_name = {n: m for st, stage_names in zip(states, names) for n, m in zip(stage_names, st["momentum"])}
+    by_name = {n: st["optimizer"]["state"][i] for st, stage_names in zip(states, names)
+               for i, n in enumerate(stage_names)}
+    last = {n: d for st, stage_names in zip(states, names) for n, d in zip(stage_names, st["optimizer"]["last"])}
+    assert all(by_name.values()) and len(by_name) == sum(map(len, names))
     cut = resplit(states, model, old, new, seed=3, step=2)
     assert len(cut) == 2
     for k, (st, stage_names) in enumerate(zip(cut, parameter_names(model, new))):
         assert [n for n in st["module"]] == list(split(copy.deepcopy(model), new)[k].state_dict())
-        assert all(m is by_name[n] for n, m in zip(stage_names, st["momentum"]))
-        assert [t.item() for t in st["optimizer"]["exp_avg_sq"]] == [float(len(n)) for n in stage_names]
-        assert st["optimizer"]["step"] == 2 and st["version"] == 2 and "probe" not in st
+        assert st["parameters"] == len(stage_names) and st["optimizer"]["name"] == optimizer
+        assert all(st["optimizer"]["state"][i] is by_name[n] for i, n in enumerate(stage_names))
+        assert all(d is last[n] for n, d in zip(stage_names, st["optimizer"]["last"]))
+        assert st["version"] == 2 and "probe" not in st
         assert json.loads(st["stats"])["actions"] == {"F": 0, "B": 0}
         assert torch.equal(st["rng"][0], torch.Generator().manual_seed(stream_seed(3, k, 2)).get_state())
-    # loaded into stages of the new partition: the same whole model and momentum as before, by name
-    fresh = make_stages(split(copy.deepcopy(model), new), "spectrain", lr=0.05, momentum=0.9, seed=3)
+    # loaded into stages of the new partition: the same whole model and optimizer state as before, by name
+    fresh = make_stages(split(copy.deepcopy(model), new), "spectrain", lr=0.05, seed=3, momentum=0.9,
+                        optimizer=optimizer)
     for stage, st in zip(fresh, cut):
         stage.load_checkpoint_state(st)
     merged = {k: v for stage in fresh for k, v in stage.state_dict().items()}
     assert all(torch.equal(merged[k], v) for st in states for k, v in st["module"].items())
+    reloaded = {n: stage.optimizer.state_dict()["state"][i] for stage, stage_names in
+                zip(fresh, parameter_names(model, new)) for i, n in enumerate(stage_names)}
+    assert all(torch.equal(reloaded[n][key], value) for n, st in by_name.items() for key, value in st.items())
     assert stream_seed(3, 0, 2) != stream_seed(3, 1, 2) != stream_seed(3, 1, 4)
 
-    states[1]["optimizer"]["step"] = 1  # not per parameter and not shared: cannot be cut
-    with pytest.raises(ValueError, match="entry 'optimizer.step' is neither one item per parameter nor the same"):
+    states[1]["optimizer"]["name"] = "adam"  # not per parameter and not shared: cannot be cut
+    with pytest.raises(ValueError, match="entry 'optimizer.name' is neither one item per parameter nor the same"):
         resplit(states, model, old, new, seed=3, step=2)
     states[1]["version"] = 3
     with pytest.raises(ValueError, match="only a drained checkpoint can be re-split"):

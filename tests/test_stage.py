@@ -6,21 +6,28 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_weights, plain_sgd, run_local
+from conftest import ADAMW, assert_same_weights, make_stages, microbatches, plain_sgd, plain_torch, run_local
 from torch.func import functional_call
 
-from rayspec.core.optim import SGD, LRSchedule
+from rayspec.core.lr import LRSchedule
+from rayspec.core.optim import Optimizer, OptimSpec
+from rayspec.core.predict import coefficients
+from rayspec.core.schedule import build_schedule
+from rayspec.exec import LocalExecutor
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("momentum,weight_decay,dampening,nesterov", [
     (0.9, 0.0, 0.0, False), (0.9, 5e-4, 0.0, True), (0.5, 1e-3, 0.1, False), (0.0, 0.0, 0.0, False)])
-def test_sgd_matches_torch(momentum, weight_decay, dampening, nesterov):
+def test_sgd_matches_torch(momentum, weight_decay, dampening, nesterov, fused):
+    """torch.optim.SGD over aliases of the parameters: bit-exact with torch's SGD on the parameters themselves, of the
+    same kernel (foreach is torch's default per-tensor arithmetic, which the hand-written SGD matched too)."""
     torch.manual_seed(0)
     a = torch.nn.Linear(5, 3)
     b = copy.deepcopy(a)
-    ours = SGD(list(a.parameters()), momentum, weight_decay, dampening, nesterov)
+    ours = Optimizer(list(a.parameters()), OptimSpec("sgd", momentum, weight_decay, dampening, nesterov, fused=fused))
     ref = torch.optim.SGD(b.parameters(), lr=0.1, momentum=momentum, weight_decay=weight_decay,
-                          dampening=dampening, nesterov=nesterov)
+                          dampening=dampening, nesterov=nesterov, **({"fused": True} if fused else {}))
     for _ in range(12):
         x = torch.randn(4, 5)
         for net in (a, b):
@@ -50,6 +57,64 @@ def test_vanilla_four_stages_equals_one(tiny):
     one = run_local(model, data, "vanilla", 1, updates=12)[0].state_dict()
     four = run_local(model, data, "vanilla", 4, updates=12)[0].state_dict()
     assert_same_weights(one, four)
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_vanilla_with_adamw_is_torch_adamw_step_by_step(tiny, n):
+    """``optim.name=adamw``: a vanilla pipeline of any depth is torch's AdamW on the whole model, after every update."""
+    model, data = tiny
+    want: list[dict] = []
+    plain_torch(model, data, 10, 32, every=lambda i, w: want.append(copy.deepcopy(w)), **ADAMW)
+    ex = LocalExecutor(make_stages(model, "vanilla", n, **ADAMW), "vanilla")
+    batches = microbatches(data, 10, 32)
+    for i in range(10):
+        ex.run(build_schedule("vanilla", n, 1), iter(batches[i : i + 1]))
+        assert_same_weights(ex.state_dict(), want[i])
+
+
+@pytest.mark.parametrize("method,optimizer", [("vanilla", "sgd"), ("gpipe", "adamw")])
+def test_global_clipping_is_clipping_the_whole_model(tiny, method, optimizer):
+    """``optim.clip_grad_norm`` where the pipeline flushes: the norm over all stages, as ``clip_grad_norm_`` on the
+    whole model in one process (the small norm clips every update)."""
+    model, data = tiny
+    settings = {**(ADAMW if optimizer == "adamw" else {}), "clip_grad_norm": 0.05}
+    ex, _, _ = run_local(model, data, method, 4, updates=12, **settings)
+    assert all(st.clip_scope == "global" for st in ex.stages)
+    assert_same_weights(ex.state_dict(), plain_torch(model, data, 12, 32, **settings))
+    unclipped = plain_torch(model, data, 12, 32, **{**settings, "clip_grad_norm": None})
+    assert max((ex.state_dict()[k] - unclipped[k]).abs().max().item() for k in unclipped) > 1e-4
+
+
+def test_asynchronous_methods_clip_each_stage_by_its_own_norm(tiny):
+    model, data = tiny
+    one = run_local(model, data, "spectrain", 1, updates=12, clip_grad_norm=0.05)[0]
+    assert_same_weights(one.state_dict(), plain_torch(model, data, 12, 32, clip_grad_norm=0.05))  # one stage: global
+    four = run_local(model, data, "async", 4, updates=1, clip_grad_norm=0.01, record=True)[0]
+    scales = []
+    for st in four.stages:  # the first update: w - lr * (c g + wd w), c = min(1, 0.01 / |g|) of this stage's g
+        assert st.clip_scope == "stage"
+        rec = next(r for r in st.records if r["kind"] == "B")
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in rec["grads"]]))
+        scales.append(min(1.0, 0.01 / (float(norm) + 1e-6)))
+        for w, g, now in zip(rec["before"], rec["grads"], st.params):
+            torch.testing.assert_close(now.detach(), w - 0.05 * (scales[-1] * g + 1e-4 * w))
+    assert len(set(scales)) == 4 and min(scales) < 1  # each stage its own factor
+
+
+def test_bf16_pipeline_is_the_whole_model_under_autocast(tiny):
+    """``train.precision=bf16``: forwards under autocast, bfloat16 between stages (half the bytes), float32 weights and
+    optimizer state; the MLP's blocks end in bfloat16 anyway, so the pipeline computes what the whole model does."""
+    model, data = tiny
+    ex, losses, _ = run_local(model, data, "vanilla", 4, updates=8, precision="bf16", **ADAMW)
+    ref = plain_torch(model, data, 8, 32, precision="bf16", **ADAMW)
+    assert_same_weights(ex.state_dict(), ref, rtol=1e-4, atol=1e-5)
+    assert all(v.dtype == torch.float32 for v in ex.state_dict().values())
+    full = run_local(model, data, "vanilla", 4, updates=8, **ADAMW)[0]
+    for half, whole in zip(ex.stages, full.stages):
+        assert all(t.dtype == torch.float32 for st in half.optimizer.torch.state.values() for t in st.values())
+        for kind in "FB":
+            if whole.stats.sent_bytes[kind]:
+                assert half.stats.sent_bytes[kind] * 2 == whole.stats.sent_bytes[kind]
 
 
 @pytest.mark.parametrize("n", [1, 4])
@@ -129,7 +194,7 @@ def test_pipedream_gradients_use_the_forward_weights(tiny):
         assert _check_grads_at(stage, stage.records, "forward") == 16
         assert stage.stats.peak_stash <= n - stage.index
         assert stage.stats.peak_stash == n - stage.index  # really stashes that many in steady state
-        assert not stage.stash  # all released after the drain
+        assert not stage.weights.stash  # all released after the drain
 
 
 def test_async_mixed_gradients_are_not_the_forward_ones(tiny):
@@ -227,20 +292,25 @@ def test_recompute_gradients_are_exact_at_the_backward_weights(tiny, method):
         assert _check_grads_at(stage, stage.records, "backward") == 12
 
 
-@pytest.mark.parametrize("variant", ["paper", "consistent"])
-def test_spectrain_predicts_and_restores(tiny, variant):
+@pytest.mark.parametrize("variant,optimizer", [("paper", "sgd"), ("consistent", "sgd"), ("paper", "adamw")])
+def test_spectrain_predicts_and_restores(tiny, variant, optimizer):
     model, data = tiny
-    ex, _, sched = run_local(model, data, "spectrain", 4, updates=16, record=True, variant=variant)
+    settings = ADAMW if optimizer == "adamw" else {}
+    ex, _, sched = run_local(model, data, "spectrain", 4, updates=16, record=True, variant=variant, **settings)
     s = sched.version_differences(variant)
     predicted = 0
     for stage in ex.stages:
         assert len(stage.records) == 32
         for rec in stage.records:
             assert rec["s"] == s[(stage.index, rec["kind"], rec["microbatch"])]
-            for before, used, after, v in zip(rec["before"], rec["used"], rec["after"], rec["velocity"]):
+            a, b = coefficients("linear", rec["s"], rec["version"], stage.lr, stage.optimizer)
+            for before, used, after, v in zip(rec["before"], rec["used"], rec["after"], rec["direction"]):
                 assert torch.equal(after, before)  # restored bit-exactly
                 if rec["s"] and v is not None:
-                    assert torch.equal(used, before.add(v, alpha=-rec["s"] * rec["lr"]))
+                    if optimizer == "sgd":  # the paper's W - s lr v
+                        assert torch.equal(used, before.add(v, alpha=-rec["s"] * rec["lr"]))
+                    else:  # AdamW: (1 - s lr wd) W - s lr D
+                        assert torch.equal(used, torch.mul(before, a).add_(v, alpha=b)) and a < 1
                     predicted += 1
                 else:
                     assert torch.equal(used, before)

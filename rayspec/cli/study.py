@@ -1,4 +1,4 @@
-"""``python -m rayspec.study study=NAME``: every method against sequential SGD over stage counts and seeds.
+"""``python -m rayspec.study study=NAME``: every method against sequential training over stage counts and seeds.
 
 A study (``rayspec/conf/study/NAME.yaml``) names one workload as training overrides of the run
 configuration, the methods, the stage counts and the seeds. Each run trains through ``rayspec.training.train`` with the
@@ -9,7 +9,7 @@ study's output directory, one sub-directory per run under ``runs/``. ``runner=se
 runs one after another in this process; ``runner=tune`` trains them as Ray Tune trials (``rayspec.cli.study_tune``),
 side by side where resources allow and across a cluster's nodes. Both report from the same records.
 
-[Note: one sequential baseline per seed] A ``vanilla`` pipeline is bit-exactly sequential SGD at any
+[Note: one sequential baseline per seed] A ``vanilla`` pipeline is bit-exactly sequential training at any
 stage count (``tests/test_stage.py``), so the baseline trains once per seed, on one stage. The exception
 is a model with active dropout: each stage draws its masks from its own random stream, so vanilla on
 ``N`` stages samples other masks than on one; the baseline then trains once per seed and stage count,

@@ -44,7 +44,7 @@ METHODS: dict[str, list[str]] = {
 """Method labels a study may name, and the training overrides each stands for."""
 DEFAULT_METHODS = ["async", "pipedream", "spectrain-paper", "spectrain-consistent", "gpipe"]
 BASELINE = "sequential"
-"""The label of the baseline runs: ``vanilla``, which is sequential SGD."""
+"""The label of the baseline runs: ``vanilla``, which is sequential training (the run's optimizer)."""
 FILE_KEYS = ("name", "description", "overrides", "methods", "stages", "seeds", "output_dir", "threads")
 CLI_KEYS = ("study", "output_dir", "resume", "methods", "stages", "seeds", "executor", "threads", "runner",
             "max_concurrent_trials")
@@ -252,7 +252,7 @@ def has_dropout(model: Any) -> bool:
 
 
 def baseline_stages(study: Study) -> list[int]:
-    """The stage counts the baseline trains at: one (bit-exactly sequential SGD), or each of the study's."""
+    """The stage counts the baseline trains at: one (bit-exactly sequential training), or each of the study's."""
     return list(study.stages) if study.per_stage_baseline else [1]
 
 

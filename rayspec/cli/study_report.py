@@ -91,11 +91,23 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def _baseline_note(study: Study) -> str:
     if study.per_stage_baseline:
-        return ("`sequential` is `vanilla` (sequential SGD), trained once per seed and stage count: the model has "
+        return ("`sequential` is `vanilla` (sequential training), trained once per seed and stage count: the model has "
                 "dropout, and each stage draws its masks from its own random stream, so every method is compared "
                 "with the baseline that drew the same masks.")
-    return ("`sequential` is `vanilla` (sequential SGD), trained once per seed on one stage: a vanilla pipeline is "
-            "bit-exactly sequential SGD at any stage count (tests/test_stage.py), so its row is the same at every N.")
+    return ("`sequential` is `vanilla` (sequential training), trained once per seed on one stage: a vanilla pipeline "
+            "is bit-exactly sequential training at any stage count (tests/test_stage.py), so its row is the same at "
+            "every N.")
+
+
+def _optimizer(o: Mapping[str, Any]) -> str:
+    """The optimizer's settings in words (``sgd`` where a study's config predates ``optim.name``)."""
+    name = o.get("name", "sgd")
+    if name == "sgd":
+        return f"SGD lr {o['lr']} momentum {o['momentum']} weight decay {o['weight_decay']}"
+    betas = ", ".join(str(b) for b in o["betas"])
+    kind = "decoupled" if name == "adamw" else "L2"
+    return f"{'AdamW' if name == 'adamw' else 'Adam'} lr {o['lr']} betas ({betas}) eps {o['eps']} weight decay " \
+           f"{o['weight_decay']} ({kind})"
 
 
 def markdown(study: Study, table: Sequence[dict[str, Any]], settings: Mapping[str, Any]) -> str:
@@ -110,8 +122,10 @@ def markdown(study: Study, table: Sequence[dict[str, Any]], settings: Mapping[st
         lines += [study.description, ""]
     lines += [
         f"{c['model']['name']} ({size}) on {c['data']['name']} ({data}); {t['max_steps']} updates of batch "
-        f"{t['batch_size']}, SGD lr {o['lr']} momentum {o['momentum']} weight decay {o['weight_decay']}, "
-        f"{o['schedule']} schedule (power {o['power']}), gpipe with {p['microbatches']} micro-batches; "
+        f"{t['batch_size']}, {_optimizer(o)}"
+        + (f", gradients clipped to norm {o['clip_grad_norm']}" if o.get("clip_grad_norm") else "")
+        + (f", precision {t['precision']}" if t.get("precision", "fp32") != "fp32" else "")
+        + f", {o['schedule']} schedule (power {o['power']}), gpipe with {p['microbatches']} micro-batches; "
         f"evaluation every {t['eval_every']} updates; executor {p['executor']}; seeds {study.seeds} "
         f"(mean ± sample std over seeds).",
         "",
@@ -144,8 +158,9 @@ def markdown(study: Study, table: Sequence[dict[str, Any]], settings: Mapping[st
                   "really held at the predicted version, on a fixed sample of each stage's weights (0: perfect, 1: no "
                   "better than the stale weights; `rayspec.core.predict`): over the run, the mean over the predicting "
                   "stages and per stage (s0/s1/...); the best scale, the multiple of the paper's step "
-                  "`s·lr·v` that would have landed closest (below 1: the paper's step overshoots); and the quality "
-                  "on the flipped coordinates, whose velocity changed sign before the target version, and on the "
+                  "(`s` times the optimizer's next step; SGD: `s·lr·v`) that would have landed closest (below 1: the "
+                  "paper's step overshoots); and the quality on the flipped coordinates, whose direction (SGD: "
+                  "velocity) changed sign before the target version, and on the "
                   "others (kept), with the flipped share of the coordinates:", ""]
         heads = ("quality", "per stage", "best scale", "flipped", "kept", "flipped share %")
         header = ["method"] + [f"{h} N={n}" for n in study.stages for h in heads]

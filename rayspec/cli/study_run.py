@@ -199,7 +199,7 @@ def open_study(study: Study, resume: bool, echo: Callable[[str], None]) -> list[
     (directory / "runs").mkdir(parents=True, exist_ok=True)
     runs = plan_runs(study)
     baseline = ("vanilla once per seed and stage count (the model has dropout: per-stage random streams)"
-                if study.per_stage_baseline else "vanilla once per seed on one stage (bit-exactly sequential SGD at "
+                if study.per_stage_baseline else "vanilla once per seed on one stage (bit-exactly sequential training at "
                 "any stage count)")
     echo(f"rayspec.study: {study.name}: {len(runs)} runs ({', '.join(study.methods)} at {study.stages} stages, "
          f"seeds {study.seeds}; baseline: {baseline}) in {directory}")

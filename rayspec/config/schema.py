@@ -18,6 +18,7 @@ from rayspec.config.sections import (
     TrainConfig,
 )
 from rayspec.core.methods import METHODS
+from rayspec.core.transports import check_global_norm
 from rayspec.errors import ConfigError
 from rayspec.targets import TARGET
 
@@ -74,6 +75,9 @@ class Config:
                 f"train.batch_size={t.batch_size} is not divisible by pipeline.stages={p.stages}; {p.method} "
                 "splits each batch into equal shards, one per worker: pick a multiple of pipeline.stages"
             )
+        if self.optim.clip_grad_norm is not None and METHODS[p.method].flushes and p.executor == "ray" \
+                and p.transport != "auto":
+            check_global_norm(p.transport, p.method)
         _check_builder("model", self.model, "model=mlp")
         _check_builder("data", self.data, "data=synthetic_image")
         return self

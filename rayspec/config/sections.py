@@ -2,17 +2,20 @@
 
 These dataclasses are the one source of defaults: Hydra composes them as the ``rayspec`` entry of its
 config store (``rayspec.config.compose``), so ``rayspec/conf`` holds only groups with alternatives
-(models, data sets, loggers, debug presets, experiments). The choices come from the registries of the
+(models, data sets, optimizers, loggers, debug presets, experiments), each file only what differs from
+these defaults. The choices come from the registries of the
 layers below (methods, transports, predictors, learning-rate schedules, partitions).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rayspec.config.checks import choice, integer, number, optional_integer
+from rayspec.core.lr import LR_SCHEDULES
 from rayspec.core.methods import BACKWARDS, METHODS, VARIANTS
-from rayspec.core.optim import LR_SCHEDULES
+from rayspec.core.optim import OPTIMIZERS
+from rayspec.core.precision import PRECISIONS
 from rayspec.core.predict import PREDICTORS
 from rayspec.core.transports import TRANSPORTS, check_placement
 from rayspec.errors import ConfigError
@@ -113,13 +116,28 @@ class PipelineConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "sgd"
+    """The optimizer (``rayspec.core.optim.OPTIMIZERS``): ``sgd``, ``adam`` or ``adamw``; ``optim=adamw`` picks the
+    group file ``rayspec/conf/optim/adamw.yaml`` (its learning rate and weight decay). SpecTrain predicts along the
+    optimizer's own next step (``rayspec.core.predict``)."""
     lr: float = 0.01
     """Base learning rate (> 0)."""
     momentum: float = 0.9
     """SGD momentum in [0, 1); SpecTrain's smoothed gradient is its buffer."""
     weight_decay: float = 0.0
+    """L2 for ``sgd`` and ``adam`` (it enters the gradient), decoupled for ``adamw``."""
     dampening: float = 0.0
     nesterov: bool = False
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam's and AdamW's averaging factors of the gradient and of its square, each in [0, 1)."""
+    eps: float = 1e-8
+    """Adam's and AdamW's term added to the root of the second moment (> 0)."""
+    fused: bool = True
+    """torch's fused optimizer kernels (one pass per tensor; on CPU AdamW's is 5-7x faster); false: its foreach
+    kernels, bit-exact with torch's per-tensor loops (the fused ones differ by rounding)."""
+    clip_grad_norm: float | None = None
+    """Clip each update's gradient to this 2-norm (null: off). ``vanilla`` and ``gpipe`` clip by the norm over all
+    stages, as clipping the whole model in one process; the asynchronous methods by each stage's own norm."""
     schedule: str = "constant"
     """Learning-rate schedule over updates, the same for every method and stage: ``constant``, ``poly``
     (the paper's, power 2) or ``cosine``."""
@@ -131,6 +149,7 @@ class OptimConfig:
     """Floor of ``poly`` and ``cosine``."""
 
     def check(self) -> None:
+        choice("optim.name", self.name, OPTIMIZERS)
         choice("optim.schedule", self.schedule, LR_SCHEDULES)
         integer("optim.warmup", self.warmup, 0, "use 0 for no warm-up")
         if not number(self.lr) or self.lr <= 0:
@@ -141,6 +160,16 @@ class OptimConfig:
             raise ConfigError(f"optim.weight_decay={self.weight_decay!r} must be >= 0")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ConfigError("optim.nesterov=true needs optim.momentum > 0 and optim.dampening=0")
+        betas = list(self.betas) if isinstance(self.betas, (list, tuple)) else None
+        if betas is None or len(betas) != 2 or not all(number(b) and 0 <= b < 1 for b in betas):
+            raise ConfigError(f"optim.betas={self.betas!r} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.999]")
+        if not number(self.eps) or self.eps <= 0:
+            raise ConfigError(f"optim.eps={self.eps!r} must be a positive number, e.g. optim.eps=1e-8")
+        if not isinstance(self.fused, bool):
+            raise ConfigError(f"optim.fused={self.fused!r} must be true or false")
+        if self.clip_grad_norm is not None and (not number(self.clip_grad_norm) or self.clip_grad_norm <= 0):
+            raise ConfigError(f"optim.clip_grad_norm={self.clip_grad_norm!r} must be a positive number, e.g. "
+                              "optim.clip_grad_norm=1.0 (or null for no clipping)")
 
 
 @dataclass
@@ -158,8 +187,12 @@ class TrainConfig:
     """Use only the first this many training samples (a smoke run); None: all."""
     val_samples: int | None = None
     """Evaluate on only the first this many validation samples; None: all."""
+    precision: str = "fp32"
+    """``bf16``: forwards under autocast and bfloat16 activations and gradients between stages (half the bytes);
+    weights, optimizer state and SpecTrain's predictions stay float32 (``rayspec.core.precision``)."""
 
     def check(self) -> None:
+        choice("train.precision", self.precision, PRECISIONS)
         integer("train.max_steps", self.max_steps, 1, "train for at least one update")
         integer("train.batch_size", self.batch_size, 1, "use a positive batch size")
         integer("train.log_every", self.log_every, 1, "log at least every update count >= 1")

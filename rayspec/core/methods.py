@@ -30,6 +30,8 @@ class Method:
         policy: the stages' staleness policy, one of ``POLICIES``.
         group_setting: the setting that gives the micro-batches per update; None: one per update.
         summary: one line for ``--help`` texts and the README.
+        flushes: every stage's update happens at a drained pipeline, each stage's next action after all of
+            them: an update may wait for every stage (global gradient clipping, ``rayspec.core.grads``).
     """
 
     name: str
@@ -37,6 +39,7 @@ class Method:
     policy: str
     group_setting: str | None
     summary: str
+    flushes: bool = False
 
     @property
     def pipelined(self) -> bool:
@@ -52,8 +55,10 @@ class Method:
 _ALL = (
     Method("dataparallel", None, "none", None,
            "Ray Train DDP workers, each the whole model and 1/N of every batch"),
-    Method("vanilla", "vanilla", "none", "pipeline.accumulate", "one micro-batch through all stages at a time"),
-    Method("gpipe", "gpipe", "none", "pipeline.microbatches", "fill-drain, an update per group of micro-batches"),
+    Method("vanilla", "vanilla", "none", "pipeline.accumulate", "one micro-batch through all stages at a time",
+           flushes=True),
+    Method("gpipe", "gpipe", "none", "pipeline.microbatches", "fill-drain, an update per group of micro-batches",
+           flushes=True),
     Method("async", "1f1b", "none", "pipeline.accumulate", "1F1B, no staleness mitigation"),
     Method("pipedream", "1f1b", "stash", "pipeline.accumulate", "1F1B with weight stashing"),
     Method("spectrain", "1f1b", "predict", "pipeline.accumulate", "1F1B with SpecTrain weight prediction"),

@@ -1,32 +1,37 @@
 """SpecTrain's weight predictors, and the probe that measures how well a prediction lands.
 
-A stage ``s`` versions behind its target predicts ``W(t+s) ≈ W(t) + alpha * v`` with the smoothed
-gradient ``v`` (the momentum buffer). The predictors differ only in ``alpha``:
+A stage ``s`` versions behind its target extrapolates its optimizer's next step (``rayspec.core.optim``, the
+note on the next step: ``W <- (1 - lr * wd) * W - lr * D``, ``D`` the direction, ``wd`` the decoupled weight
+decay). Every predictor gives ``W(t+s) ≈ A * W(t) + B * D(t)``; they differ in ``A`` and ``B``:
 
-* ``linear`` (the paper's): ``alpha = -s * lr(t)``. Exact when the velocity stays what it is for the
-  next ``s`` updates.
-* ``momentum``: ``alpha = -sum_{i=1..s} lr(t+i-1) * mu^i``: the next ``s`` updates with the gradients
-  still to come taken as zero-mean, so only the momentum already in ``v`` carries the weights (it
-  follows the learning-rate schedule and decays as the buffer does). With ``mu = 0`` it predicts nothing.
-* ``adaptive``: ``alpha = -c * s * lr(t)``: the paper's step damped by ``c`` in ``[0, 1]``, the
-  least-squares scale that the stage's own past predictions would have needed to land on the weights
-  it really reached (``best_scale`` below, averaged with exponential decay). It starts at 1.
+* ``linear`` (the paper's): the next step ``s`` times, ``A = 1 - s * lr(t) * wd``, ``B = -s * lr(t) * k``, with
+  ``k`` the optimizer's factor for the step at the target version (1 for SGD, the bias-correction ratio for
+  Adam). For SGD it is the paper's ``W - s * lr * v``. Exact when the optimizer's state stays what it is for the
+  next ``s`` updates (and, with a decoupled decay, to first order in ``lr * wd``).
+* ``momentum``: the next ``s`` steps with the gradients still to come taken as zero, so only what the state
+  already holds moves the weights as it decays (``mu^i`` for SGD, ``beta1^i / sqrt(beta2^i)`` for Adam),
+  following the learning-rate schedule, the decay compounded. With ``mu = 0`` it predicts nothing.
+* ``adaptive``: the linear step damped by ``c`` in ``[0, 1]``, the least-squares scale that the stage's own
+  past predictions would have needed to land on the weights it really reached (``best_scale`` below,
+  averaged with exponential decay). It starts at 1.
 
 [Note: prediction quality] For every predicted action the probe keeps a fixed, seeded sample of the
 stage's weight coordinates, stale (the stored ``W(t)``) and predicted; when the stage reaches the
 target version ``t + s`` it reads the same coordinates of the weights it really holds, ``W*``, and adds
 
-    |W_pred - W*|^2,   |W_stale - W*|^2,   <W* - W_stale, D>,   |D|^2
+    |W_pred - W*|^2,   |W_stale - W*|^2,   <W* - W_stale, P>,   |P|^2
 
-with ``D = -s * lr(t) * v``, the paper's predicted step. ``quality = sqrt(sum |W_pred - W*|^2 / sum
-|W_stale - W*|^2)``: 0 is a perfect prediction, 1 no better than not predicting, above 1 worse than the
-stale weights. ``best_scale = sum <W* - W_stale, D> / sum |D|^2`` is the multiple of the paper's step
-that would have minimised the distance: 1 when its length is right, below 1 when it overshoots, at or
-below 0 when it points the wrong way (measured against the paper's step whatever the predictor, so the
-figures compare across predictors). A target the run never reaches (training ends first) is not counted.
+with ``P`` the paper's step: ``s`` times the optimizer's next step (the ``linear`` predictor's, for SGD
+``-s * lr(t) * v``). ``quality = sqrt(sum |W_pred - W*|^2 / sum |W_stale - W*|^2)``: 0 is a perfect
+prediction, 1 no better than not predicting, above 1 worse than the stale weights. ``best_scale = sum
+<W* - W_stale, P> / sum |P|^2`` is the multiple of the paper's step that would have minimised the distance:
+1 when its length is right, below 1 when it overshoots, at or below 0 when it points the wrong way
+(measured against the paper's step whatever the predictor, so the figures compare across predictors). A
+target the run never reaches (training ends first) is not counted.
 
-The same sums over the *flipped* coordinates, those whose velocity has changed sign by the target
-version (they oscillate, and a linear extrapolation of them points the wrong way), give
+The same sums over the *flipped* coordinates, those where the paper's step goes against the direction ``D`` at
+the target version (``P * D* > 0``; for SGD: the velocity changed sign; they oscillate, and a linear
+extrapolation of them points the wrong way), give
 ``quality_flipped``, ``quality_kept`` (the other coordinates) and ``flipped_share`` (their fraction).
 """
 
@@ -38,9 +43,10 @@ from typing import Any
 
 import torch
 
-from rayspec.core.optim import LRSchedule
+from rayspec.core.lr import LRSchedule
+from rayspec.core.optim import Optimizer
 
-__all__ = ["PREDICTORS", "PredictionProbe", "step_scale", "ratios", "window"]
+__all__ = ["PREDICTORS", "PredictionProbe", "coefficients", "ratios", "window"]
 
 PREDICTORS = ("linear", "momentum", "adaptive")
 SUMS = ("pred_sq", "stale_sq", "cross", "step_sq", "pred_sq_flipped", "stale_sq_flipped", "flipped", "coords")
@@ -48,14 +54,30 @@ DECAY = 0.95
 """Per measurement, of the ``adaptive`` predictor's running sums (about the last 20 predictions)."""
 
 
-def step_scale(predictor: str, s: int, version: int, lr: LRSchedule, momentum: float, damping: float) -> float:
-    """``alpha`` of ``W + alpha * v`` for a prediction ``s`` versions ahead of ``version``."""
-    if predictor == "linear":
-        return -s * lr(version)
+def coefficients(predictor: str, s: int, version: int, lr: LRSchedule, optimizer: Optimizer,
+                 damping: float = 1.0) -> tuple[float, float]:
+    """``(A, B)`` of the prediction ``A * W + B * D`` ``s`` versions ahead of ``version`` (see the module's doc).
+
+    Args:
+        predictor: one of ``PREDICTORS``.
+        lr: the learning rate per update count.
+        optimizer: whose next step is extrapolated (its factors and decoupled decay).
+        damping: ``adaptive``'s factor ``c`` (the probe's).
+    """
+    wd = optimizer.decay
+    if s == 0 and predictor in PREDICTORS:
+        return 1.0, 0.0
+    if predictor in ("linear", "adaptive"):
+        c = 1.0 if predictor == "linear" else damping
+        rate = lr(version)
+        return 1.0 - c * s * rate * wd, -c * s * rate * optimizer.factor(version, s, decaying=False)
     if predictor == "momentum":
-        return -sum(lr(version + i - 1) * momentum**i for i in range(1, s + 1))
-    if predictor == "adaptive":
-        return -damping * s * lr(version)
+        a, b = 1.0, 0.0
+        for i in range(1, s + 1):  # W <- (1 - lr_i wd) W - lr_i k_i D, the decay compounded
+            rate = lr(version + i - 1)
+            kept = 1.0 - rate * wd
+            a, b = kept * a, kept * b - rate * optimizer.factor(version, i, decaying=True)
+        return a, b
     raise ValueError(f"predictor={predictor!r} is unknown; choose one of {', '.join(PREDICTORS)}")
 
 
@@ -80,8 +102,8 @@ class PredictionProbe:
             self.index.append(local.to(p.device))
             start += n
         self.size = int(chosen.numel())
-        self._used = {k for k, i in enumerate(self.index) if i.numel()}
-        self._held: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, weights, velocity) samples
+        self._used = [k for k, i in enumerate(self.index) if i.numel()]  # parameters with sampled coordinates
+        self._held: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, weights, direction) samples
         self._zeros = {k: torch.zeros(len(i), dtype=params[k].dtype, device=params[k].device)
                        for k, i in enumerate(self.index) if i.numel()}
         self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
@@ -89,20 +111,20 @@ class PredictionProbe:
         self.recent = {"cross": 0.0, "step_sq": 0.0}  # exponentially decayed, for the adaptive predictor
 
     def sample(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """The sampled coordinates of parameter-shaped ``tensors`` (weights, velocity; None reads as zeros),
+        """The sampled coordinates of parameter-shaped ``tensors`` (weights, direction; None reads as zeros),
         in float64 on the CPU."""
-        parts = [t.detach().reshape(-1).index_select(0, i) if t is not None else self._zeros[k]
-                 for k, (t, i) in enumerate(zip(tensors, self.index)) if k in self._used]
+        parts = [self._zeros[k] if (t := tensors[k]) is None else t.detach().reshape(-1).index_select(0, self.index[k])
+                 for k in self._used]
         if not parts:
             return torch.zeros(0, dtype=torch.float64)
-        return torch.cat([q.to(parts[0].dtype) for q in parts]).to("cpu", torch.float64)
+        return torch.cat(parts).to("cpu", torch.float64)
 
     def held(self, version: int, params: list[torch.nn.Parameter],
-             velocity: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples of the stored weights and the velocity at ``version``, taken once per version (both change
-        only when the version does); call it only while the storage holds the stored weights."""
+             direction: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples of the stored weights and the optimizer's direction at ``version``, taken once per version
+        (both change only when the version does); call it only while the storage holds the stored weights."""
         if self._held is None or self._held[0] != version:
-            self._held = (version, self.sample(params), self.sample(velocity))
+            self._held = (version, self.sample(params), self.sample(direction))
         return self._held[1], self._held[2]
 
     def forget(self) -> None:
@@ -116,21 +138,20 @@ class PredictionProbe:
 
     def predicted(self, target: int, stale: torch.Tensor, predicted: torch.Tensor, paper_step: torch.Tensor) -> None:
         """An action ran at ``predicted`` weights for version ``target``; ``stale`` was stored, and the paper's
-        predictor would have stepped by ``paper_step``."""
+        step (``s`` times the optimizer's next step) is ``paper_step``."""
         self.pending.setdefault(target, []).append((stale, predicted, paper_step))
 
-    def reached(self, version: int, params: list[torch.nn.Parameter], velocity: list[torch.Tensor | None]) -> None:
-        """The stage now holds ``version`` (weights ``params``, momentum ``velocity``): score the predictions
-        that aimed at it."""
+    def reached(self, version: int, params: list[torch.nn.Parameter], direction: list[torch.Tensor | None]) -> None:
+        """The stage now holds ``version`` (weights ``params``, the optimizer's direction ``direction``): score
+        the predictions that aimed at it."""
         waiting = self.pending.pop(version, None)
         if not waiting:
             return
-        true, v_now = self.held(version, params, velocity)
+        true, d_now = self.held(version, params, direction)
         for stale, pred, step in waiting:
-            pred_sq, stale_sq = (pred - true).square(), (stale - true).square()
-            flipped = (step * v_now > 0).double()  # the step is -s*lr*v: same sign as v_now means v changed sign
-            values = torch.stack([pred_sq.sum(), stale_sq.sum(), ((true - stale) * step).sum(), step.square().sum(),
-                                  (pred_sq * flipped).sum(), (stale_sq * flipped).sum(), flipped.sum()]).tolist()
+            flipped = (step * d_now > 0).double()  # the step goes along -D: the same sign as D now: D changed sign
+            terms = torch.stack([(pred - true).square(), (stale - true).square(), (true - stale) * step, step.square()])
+            values = torch.cat([terms.sum(1), (terms[:2] * flipped).sum(1), flipped.sum().reshape(1)]).tolist()
             sums = dict(zip(SUMS[:6], values[:6]), flipped=int(values[6]), coords=int(true.numel()))
             self.totals["actions"] += 1
             for k, v in sums.items():

@@ -13,15 +13,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["SWAP_STORAGE", "WeightSwap", "swap_in", "swap_out"]
+__all__ = ["SWAP_STORAGE", "Swap", "WeightSwap", "swap_in", "swap_out"]
 
 SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 """Exchange two tensors' memory by pointer; without it, or for a tensor that shares its storage, ``swap_in``
 copies."""
 
-Swap = tuple[torch.Tensor, float | None] | None
-"""Per parameter: ``None`` (keep it), ``(v, alpha)`` (the storage holds ``W + alpha * v``, computed into
-the scratch copy) or ``(w, None)`` (the storage holds ``w``)."""
+Swap = torch.Tensor | tuple[torch.Tensor, float, float] | None
+"""Per parameter: ``None`` (keep it), ``w`` (the storage holds ``w``) or ``(d, a, b)`` (the storage holds
+``a * W + b * d``, computed into the scratch copy: a prediction, ``rayspec.core.predict``)."""
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
@@ -52,13 +52,14 @@ class WeightSwap:
     """Context that puts other weights into ``params``' storage and restores them bit-exactly on exit.
 
     Args:
-        params: the stage's parameters.
+        params: the stage's parameters, or tensors that share their storage objects (``p.data``, the
+            optimizer's aliases: no new tensor per parameter and action).
         swaps: per parameter, a ``Swap`` (see its doc); ``None`` keeps every parameter.
         scratch: the stage's one scratch copy of its parameters (allocated on first use), which
             predictions are computed into.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], swaps: Sequence[Swap] | None,
+    def __init__(self, params: Sequence[torch.Tensor], swaps: Sequence[Swap] | None,
                  scratch: Callable[[], list[torch.Tensor]]) -> None:
         self.params, self.swaps, self.scratch = params, swaps, scratch
         self.swapped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
@@ -67,13 +68,22 @@ class WeightSwap:
         if self.swaps is None:
             return
         with torch.no_grad():
+            scratch = None
             for i, (p, swap) in enumerate(zip(self.params, self.swaps)):
                 if swap is None:
                     continue
-                t, alpha = swap
-                if alpha is not None:  # the prediction goes into the scratch copy
-                    t = torch.add(p.data, t, alpha=alpha, out=self.scratch()[i])
-                self.swapped.append((p.data, t, swap_in(p.data, t)))
+                w = p.data if isinstance(p, torch.nn.Parameter) else p  # .data: its own version counter
+                if isinstance(swap, torch.Tensor):
+                    t = swap
+                else:  # the prediction goes into the scratch copy
+                    d, a, b = swap
+                    scratch = scratch or self.scratch()
+                    t = scratch[i]
+                    if a == 1.0:
+                        torch.add(w, d, alpha=b, out=t)
+                    else:
+                        torch.mul(w, a, out=t).add_(d, alpha=b)
+                self.swapped.append((w, t, swap_in(w, t)))
 
     def __exit__(self, *exc: object) -> None:
         with torch.no_grad():

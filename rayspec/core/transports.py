@@ -19,7 +19,8 @@ from typing import Literal
 
 from rayspec.errors import ConfigError
 
-__all__ = ["Transport", "TRANSPORTS", "resolve_transport", "check_placement", "nccl_kind", "placement_of"]
+__all__ = ["Transport", "TRANSPORTS", "resolve_transport", "check_placement", "nccl_kind", "placement_of",
+           "check_global_norm"]
 
 Placement = Literal["cpu", "shared_gpu", "gpu"]
 
@@ -34,6 +35,8 @@ class Transport:
         gpu: stages with a GPU (or more) each.
         nccl: the NCCL it uses for stages with a GPU each: ``torch`` (``torch.distributed``, shipped with torch),
             ``ray`` (Ray's collective groups, which need cupy: ``pip install 'rayspec[gpu]'``) or ``None``.
+        global_norm: whether an update can wait for every stage's gradient norm (global clipping;
+            ``rayspec.core.grads``).
     """
 
     name: str
@@ -42,6 +45,7 @@ class Transport:
     gpu: bool
     nccl: Literal["torch", "ray"] | None
     summary: str
+    global_norm: bool = True
 
 
 _ALL = (
@@ -53,7 +57,8 @@ _ALL = (
     Transport("object_store", True, True, True, None, "an actor call per action; tensors through Ray's object store"),
     Transport("gloo", True, False, False, None, "an actor call per action; CPU tensors by Ray Direct Transport over gloo"),
     Transport("nccl", False, False, True, "ray", "an actor call per action; GPU tensors by Ray Direct Transport over NCCL"),
-    Transport("compiled", True, True, True, "ray", "a Ray Compiled Graph per chunk shape (NCCL on a GPU per stage)"),
+    Transport("compiled", True, True, True, "ray", "a Ray Compiled Graph per chunk shape (NCCL on a GPU per stage)",
+              global_norm=False),
 )
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in _ALL}
 
@@ -102,3 +107,14 @@ def check_placement(name: str, gpus_per_stage: float) -> None:
 def nccl_kind(name: str, gpus_per_stage: float) -> Literal["torch", "ray"] | None:
     """Which NCCL the resolved transport ``name`` uses on stages with ``gpus_per_stage`` GPUs each, if any."""
     return TRANSPORTS[name].nccl if placement_of(gpus_per_stage) == "gpu" else None
+
+
+def check_global_norm(name: str, method: str) -> None:
+    """Raise ``ConfigError`` when transport ``name`` cannot clip ``method``'s updates by the global gradient norm."""
+    if not TRANSPORTS[name].global_norm:
+        able = ", ".join(t.name for t in _ALL if t.global_norm and t.name != "auto")
+        raise ConfigError(
+            f"optim.clip_grad_norm with pipeline.method={method} clips by the gradient norm over all stages, which "
+            f"pipeline.transport={name} cannot gather before an update (a compiled graph's calls are fixed); use "
+            f"pipeline.transport= one of {able}, or pipeline.executor=local, or optim.clip_grad_norm=null"
+        )

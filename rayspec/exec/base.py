@@ -19,7 +19,7 @@ from rayspec.core.schedule import Action, Schedule
 from rayspec.core.stage import Stage
 
 __all__ = ["Executor", "PlannedAction", "ordered_actions", "fused_backward", "check_stages", "MicrobatchFeed",
-           "stage_stats"]
+           "stage_stats", "finish_updates", "clips_globally"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,23 @@ class Executor(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def clips_globally(stages: Sequence[Stage]) -> bool:
+    """Whether the stages' updates wait for the gradient norm over all of them (``rayspec.core.stage``, the note on
+    global clipping)."""
+    return any(st.clip_grad_norm is not None and st.clip_scope == "global" for st in stages)
+
+
+def finish_updates(stages: Sequence[Stage]) -> bool:
+    """Once every stage's update waits for the global gradient norm, gather their norms (stage 0's first) and let
+    each apply its update; whether they did."""
+    if not all(st.waiting for st in stages):
+        return False
+    norms = [st.grad_norms() for st in stages]
+    for st in stages:
+        st.finish_update(norms)
+    return True
 
 
 def check_stages(schedule: Schedule, n: int) -> None:

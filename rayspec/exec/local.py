@@ -9,13 +9,23 @@ import torch
 from rayspec.core.activations import Activation
 from rayspec.core.schedule import Schedule
 from rayspec.core.stage import Stage
-from rayspec.exec.base import Executor, MicrobatchFeed, check_stages, fused_backward, ordered_actions, stage_stats
+from rayspec.exec.base import (
+    Executor,
+    MicrobatchFeed,
+    check_stages,
+    finish_updates,
+    fused_backward,
+    ordered_actions,
+    stage_stats,
+)
 
 __all__ = ["LocalExecutor"]
 
 
 class LocalExecutor(Executor):
-    """All stages in this process, actions in the schedule's global order: the reference executor."""
+    """All stages in this process, actions in the schedule's global order: the reference executor. With global
+    clipping, the updates waiting for the norm over all stages are applied as soon as every stage waits (a flushed
+    schedule reaches that before any stage's next action)."""
 
     def __init__(self, stages: Sequence[Stage], method: str, variant: str = "paper") -> None:
         self.stages = list(stages)
@@ -56,6 +66,8 @@ class LocalExecutor(Executor):
                 gi = stage.backward(m, g, s=p.s, update=a.update)
                 if k > 0:
                     grads[(k, m)] = gi
+            if stage.waiting:
+                finish_updates(self.stages)
         for stage in self.stages:
             stage.checks.flush()  # on GPUs the finite checks were flags on the device
         return [losses[m] for m in range(schedule.microbatches)]

@@ -2,7 +2,7 @@
 
 [Note: consistent point] (docs/design.md §7) Every method checkpoints where the pipeline is drained: the end of a
 segment, when no micro-batch is in flight. There a stage's whole state is its weights and
-buffers, its optimizer's momentum (which is also SpecTrain's velocity), its version counter and
+buffers, its optimizer's state (from which SpecTrain's direction comes), its version counter and
 its random stream; PipeDream's stashes are empty, since each stashed version is freed by the
 backward that used it. The data position is the number of updates done (one batch each).
 Asynchronous methods therefore drain at every checkpoint, as at every evaluation: a run's
@@ -47,7 +47,8 @@ _FIXED = (
     ("pipeline", "backward"),
     ("pipeline", "microbatches"), ("pipeline", "accumulate"), ("train", "batch_size"),
     ("train", "train_samples"),
-    ("optim", "momentum"), ("optim", "weight_decay"), ("optim", "dampening"), ("optim", "nesterov"),
+    ("optim", "name"), ("optim", "momentum"), ("optim", "weight_decay"), ("optim", "dampening"), ("optim", "nesterov"),
+    ("optim", "betas"), ("optim", "eps"), ("optim", "fused"), ("optim", "clip_grad_norm"), ("train", "precision"),
 )
 
 

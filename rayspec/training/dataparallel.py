@@ -4,8 +4,7 @@ Everything a user compares is shared with the pipeline methods: the model (``Pre
 blocks as one ``nn.Sequential``), the batches (``train_batches(data.train, batch_size, seed)``; worker
 ``r`` of ``N`` takes the ``r``-th contiguous chunk of every global batch, as gpipe cuts micro-batches),
 the optimizer (each worker runs its replica as a one-stage ``Stage`` with policy ``none``, so the update
-is ``Stage.step``: rayspec's SGD with the same ``LRSchedule``, momentum, weight decay, dampening and
-Nesterov), and the run directory (``metrics.jsonl``, ``summary.json``, ``model.pt``). DDP averages the
+is ``Stage.step``: the same optimizer, ``LRSchedule``, clipping and precision as the pipeline's), and the run directory (``metrics.jsonl``, ``summary.json``, ``model.pt``). DDP averages the
 replicas' gradients, and the mean of ``N`` equal chunks' mean losses is the global batch's mean loss,
 so N workers follow SGD on the global batch up to floating-point rounding. ``pipeline.stages`` is
 ``N``; ``pipeline.cpus_per_stage`` / ``gpus_per_stage`` are per worker (the pipeline's defaults);
@@ -67,7 +66,7 @@ from rayspec.data.loader import train_batches
 from rayspec.errors import ConfigError
 from rayspec.exec.base import stage_stats
 from rayspec.training.checkpoint import CheckpointStore, payload
-from rayspec.training.prepare import Prepared, lr_schedule
+from rayspec.training.prepare import Prepared, stage_settings
 from rayspec.training.progress import Progress, keep_metrics
 from rayspec.training.report import evaluate, report_stages, write_summary
 
@@ -283,12 +282,12 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
         device = ray.train.torch.get_device()
         replica = ray.train.torch.prepare_model(model, move_to_device=device)  # DDP when world > 1
         allreduced = _count_allreduce(replica)
-        o, t = c.optim, c.train
-        # One stage holding the whole model: the update is the pipeline stages' own Stage.step. Its own
-        # random stream per rank (dropout): ranks see different samples.
-        stage = Stage(replica, 0, 1, policy="none", lr=lr_schedule(c), momentum=o.momentum,
-                      weight_decay=o.weight_decay, dampening=o.dampening, nesterov=o.nesterov, group=1,
-                      backward="mixed", device=device, seed=c.seed + 1_000_003 * rank)
+        t = c.train
+        # One stage holding the whole model: the update is the pipeline stages' own Stage.step (its clipping
+        # norm is the whole model's: DDP averaged the gradients). Its own random stream per rank (dropout):
+        # ranks see different samples.
+        settings = {**stage_settings(c), "backward": "mixed", "trace": False, "seed": c.seed + 1_000_003 * rank}
+        stage = Stage(replica, 0, 1, policy="none", group=1, device=device, **settings)
         start = 0
         if loop_config["resume"] is not None:  # the replicas' weights and momentum from rank 0, each rank's own stream
             resume = ray.get(loop_config["resume"])

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import Subset, TensorDataset
 
 from rayspec.config import Config
+from rayspec.core.lr import LRSchedule
 from rayspec.core.methods import METHODS
-from rayspec.core.optim import LRSchedule
 from rayspec.core.stage import Stage, make_stages
 from rayspec.data import DataBundle, DataInfo, build_data
 from rayspec.data.custom import build_target_data
@@ -37,7 +37,8 @@ from rayspec.partition import (
 from rayspec.targets import TARGET
 from rayspec.training.checkpoint import CheckpointStore, check_compatible, load_checkpoint, resolve_resume
 
-__all__ = ["Prepared", "prepare", "profile_sample", "replan", "lr_schedule", "build_stages", "split_batches"]
+__all__ = ["Prepared", "prepare", "profile_sample", "replan", "lr_schedule", "stage_settings", "build_stages",
+           "split_batches"]
 
 
 @dataclass
@@ -184,14 +185,22 @@ def lr_schedule(config: Config) -> LRSchedule:
     return LRSchedule(o.lr, o.schedule, config.train.max_steps, o.warmup, o.power, o.min_lr)
 
 
+def stage_settings(config: Config) -> dict[str, Any]:
+    """``Stage``'s keyword arguments that come from the config: learning rate, optimizer, clipping, precision,
+    the staleness settings and the random seed (every executor and ``dataparallel`` build stages from them)."""
+    o, p = config.optim, config.pipeline
+    return {"lr": lr_schedule(config), "optimizer": o.name, "momentum": o.momentum, "weight_decay": o.weight_decay,
+            "dampening": o.dampening, "nesterov": o.nesterov, "betas": tuple(o.betas), "eps": o.eps, "fused": o.fused,
+            "clip_grad_norm": o.clip_grad_norm, "precision": config.train.precision, "backward": p.backward,
+            "seed": config.seed, "trace": config.trace, "predictor": p.predictor, "probe": p.probe}
+
+
 def build_stages(prepared: Prepared, device: str = "cpu", record: bool = False) -> list[Stage]:
     """Cut the model along the balance into stages with the method's policy and the optimizer settings."""
-    c, o = prepared.config, prepared.config.optim
+    c = prepared.config
     parts = split(copy.deepcopy(prepared.model), prepared.balance)
-    return make_stages(parts, c.pipeline.method, lr=lr_schedule(c), momentum=o.momentum, weight_decay=o.weight_decay,
-                       dampening=o.dampening, nesterov=o.nesterov, group=c.pipeline.group,
-                       backward=c.pipeline.backward, device=device, record=record, seed=c.seed, trace=c.trace,
-                       predictor=c.pipeline.predictor, probe=c.pipeline.probe)
+    return make_stages(parts, c.pipeline.method, group=c.pipeline.group, device=device, record=record,
+                       **stage_settings(c))
 
 
 def split_batches(batches: Iterator[tuple[torch.Tensor, ...]], group: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

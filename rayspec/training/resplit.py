@@ -5,11 +5,13 @@
 and it can be cut along any other partition. A stage state (``Stage.checkpoint_state``) holds:
 
 * ``module``, a ``state_dict``: merged by key and cut along the new stage modules' keys;
-* per-parameter entries, each a list with one item (a tensor or None) per trainable parameter of the stage
-  in ``Stage.params`` order (SGD's ``momentum``, which is also SpecTrain's velocity; whatever else an
-  optimizer keeps per parameter), at the top level or in nested dicts: merged by parameter name and cut along
-  the new stages. Anything else outside the stage's own entries must be the same on every stage (a step
-  count) and is copied to every new stage; an entry that is neither cannot be re-split and raises.
+* per-parameter entries, at the top level or in nested dicts: a list with one item (a tensor or None) per
+  trainable parameter of the stage in ``Stage.params`` order (the optimizer's kept directions), or a dict
+  keyed by parameter index (torch's optimizer ``state``: SGD's momentum, which is also SpecTrain's velocity,
+  Adam's moments and step counts; a parameter without state has no key): merged by parameter name and cut
+  along the new stages. ``parameters``, the stage's count of them, is the new stage's. Anything else
+  outside the stage's own entries must be the same on every stage (the optimizer's name) and is copied to
+  every new stage; an entry that is neither cannot be re-split and raises.
 * the stage's own entries, which belong to one stage and cannot be cut:
   ``version``, equal on every stage at a drained checkpoint, is kept; ``rng``: each new stage gets a stream
   seeded from the run's seed, its index and the update of the checkpoint (reproducible, and not a replay of
@@ -82,7 +84,10 @@ def resplit(states: Sequence[dict[str, Any]], model: nn.Sequential, old: Sequenc
             raise ValueError(f"the checkpoint holds no {', '.join(missing[:3])} for stage {k} of {list(new)}")
         out.append({"module": {key: weights[key] for key in part.state_dict()}})
     shared = [key for key in states[0] if key not in OWN]
-    for key in shared:
+    for state, names in zip(out, new_names):
+        if "parameters" in shared:
+            state["parameters"] = len(names)
+    for key in (k for k in shared if k != "parameters"):
         values = [st.get(key) for st in states]
         for state, value in zip(out, _cut(key, values, old_names, new_names)):
             state[key] = value
@@ -95,6 +100,9 @@ def resplit(states: Sequence[dict[str, Any]], model: nn.Sequential, old: Sequenc
 
 def _cut(key: str, values: list[Any], old: list[list[str]], new: list[list[str]]) -> list[Any]:
     """One entry of every old stage's state (``values``), as the entry of every new stage."""
+    if all(_by_index(v, names) for v, names in zip(values, old)):
+        indexed = {names[i]: item for v, names in zip(values, old) for i, item in v.items()}
+        return [{i: indexed[name] for i, name in enumerate(names) if name in indexed} for names in new]
     if all(isinstance(v, dict) for v in values) and all(v.keys() == values[0].keys() for v in values):
         cut = {k: _cut(f"{key}.{k}", [v[k] for v in values], old, new) for k in values[0]}
         return [{k: cut[k][j] for k in values[0]} for j in range(len(new))]
@@ -107,6 +115,11 @@ def _cut(key: str, values: list[Any], old: list[list[str]], new: list[list[str]]
         f"the checkpoint's stage entry {key!r} is neither one item per parameter nor the same on every stage, so it "
         "cannot be re-split; resume with the checkpoint's pipeline.stages and balance"
     )
+
+
+def _by_index(value: Any, names: list[str]) -> bool:
+    """A dict keyed by parameter index, as torch's optimizer ``state`` is (no other stage entry has int keys)."""
+    return isinstance(value, dict) and all(isinstance(i, int) and 0 <= i < len(names) for i in value)
 
 
 def _per_parameter(value: Any, names: list[str]) -> bool:

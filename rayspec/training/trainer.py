@@ -62,12 +62,16 @@ def train(
     n_blocks = ", ".join(str(b) for b in prepared.balance)
     size = model_size(c)
     echo(f"rayspec: {p.method} ({p.variant}) on {p.stages} stages [{n_blocks} blocks], model={c.model_name}"
-         f"{'/' + size if size else ''}, data={c.data_name}, executor={p.executor}"
+         f"{'/' + size if size else ''}, data={c.data_name}, executor={p.executor}, optim={c.optim.name}"
+         + (f", precision={c.train.precision}" if c.train.precision != "fp32" else "")
          + (f", {p.group} micro-batches per update" if p.group > 1 else ""))
     if prepared.plan is not None:
         echo(f"partition ({prepared.plan.partition}, times per micro-batch on this machine's CPU):")
         for line in prepared.plan.table().splitlines():
             echo("  " + line)
+    if c.optim.clip_grad_norm is not None and METHODS[p.method].pipelined and not METHODS[p.method].flushes:
+        echo(f"optim.clip_grad_norm={c.optim.clip_grad_norm:g}: {p.method} does not flush the pipeline, so each stage "
+             "clips its gradient by its own norm (vanilla and gpipe clip by the norm over all stages)")
     if prepared.resume is not None:
         echo(f"resuming from {prepared.resume_path} (update {prepared.resume['step']})")
         notify(callbacks, "on_resume", prepared.resume["step"], prepared.resume_path)

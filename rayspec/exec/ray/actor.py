@@ -37,6 +37,7 @@ class StageActor:
 
     def __init__(self, stage: Stage, threads: int = 1) -> None:
         torch.set_num_threads(max(1, threads))
+        _warm_up_backward()
         # Zero-copy transport is safe here: a stage sends only fresh activations and gradients that
         # it never writes again, and copies what it receives before writing (``load``).
         warnings.filterwarnings("ignore", message="Zero-copy tensor serialization is enabled")
@@ -54,10 +55,12 @@ class StageActor:
             stage.to("cuda")
         self.stage = stage
         self.losses: dict[int, torch.Tensor] = {}  # the last stage's, on its device
+        self.failed: BaseException | None = None  # a failed finish_update, raised again by every later action
         log.debug("[stage %d] loaded", stage.index)
 
     # ------------------------------------------------------------------ actions
     def forward(self, m: int, x: Activation, labels: Any = None, s: int = 0) -> Activation:
+        self._raise_failed()
         out = self.stage.forward(m, self._here(x), self._here(labels), s)
         if self.stage.is_last:
             self.losses[m] = out  # on the stage's device until pop_losses: no host round trip per micro-batch
@@ -65,10 +68,12 @@ class StageActor:
         return _contiguous(out)
 
     def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False) -> Activation:
+        self._raise_failed()
         return _contiguous(self.stage.backward(m, self._here(grad), s, update))
 
     def forward_backward(self, m: int, x: Activation, labels: Any, s: int, s_b: int, update: bool) -> Activation:
         """The last stage's ``F(m)`` and ``B(m)`` in one call: one actor call fewer on the critical path."""
+        self._raise_failed()
         self.losses[m] = self.stage.forward(m, self._here(x), self._here(labels), s)
         return _contiguous(self.stage.backward(m, None, s_b, update))
 
@@ -96,6 +101,23 @@ class StageActor:
     def deterministic(self, on: bool = True) -> None:
         """Comparable numbers in this actor (TF32 off, cuDNN deterministic), as an equality check needs them."""
         deterministic(on)
+
+    def grad_norms(self) -> torch.Tensor:
+        """The norms of this stage's gradients (global clipping: ``Stage.grad_norms``)."""
+        return self.stage.grad_norms()
+
+    def finish_update(self, *norms: torch.Tensor) -> None:
+        """Apply the update waiting for the global norm, from every stage's ``grad_norms`` (stage 0's first). The
+        object-store transport waits on no call of it: a failure here is raised again by the stage's next action."""
+        try:
+            self.stage.finish_update(norms)
+        except BaseException as err:
+            self.failed = err
+            raise
+
+    def _raise_failed(self) -> None:
+        if self.failed is not None:
+            raise self.failed
 
     # ------------------------------------------------------------------ p2p (rayspec.exec.ray.p2p)
     def p2p_rendezvous(self, world: int, timeout_s: float) -> tuple[str, int]:
@@ -148,6 +170,15 @@ class StageActor:
     def checkpoint_state(self) -> dict[str, Any]:
         self.stage.clock.settle()
         return self.stage.checkpoint_state()
+
+
+def _warm_up_backward() -> None:
+    """One tiny backward given an output gradient, as a stage's backward is. The first such backward in a process
+    imports ``torch.fx.experimental.symbolic_shapes`` (``torch.autograd``'s ``_make_grads``), 0.16 s on an idle
+    2-core machine and 0.4-0.6 s on a busy one: in a pipeline's first segment the stages paid it one after another,
+    each first backward waiting for its successor's. Here each actor pays it while it starts, all at once."""
+    x = torch.ones(1, requires_grad=True)
+    torch.autograd.backward([x * 2.0], [torch.ones(1)])
 
 
 def _contiguous(x: Activation) -> Activation:

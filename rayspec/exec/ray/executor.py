@@ -20,8 +20,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayspec.core.activations import Activation
 from rayspec.core.schedule import Schedule
 from rayspec.core.stage import Stage
-from rayspec.core.transports import nccl_kind, resolve_transport
-from rayspec.exec.base import Executor, MicrobatchFeed, check_stages
+from rayspec.core.transports import check_global_norm, nccl_kind, resolve_transport
+from rayspec.exec.base import Executor, MicrobatchFeed, check_stages, clips_globally
 from rayspec.exec.ray.actor import StageActor
 from rayspec.exec.ray.cluster import reserve_stages
 from rayspec.exec.ray.compiled import CompiledTransport, warn_shared_cores
@@ -90,6 +90,7 @@ class RayExecutor(Executor):
             bundle_offset = 0
         self.pg = placement_group
         self._resources = (cpus_per_stage, gpus_per_stage, bundle_offset)
+        self._clipping(stages)
         self.actors = [self._spawn(k, stage) for k, stage in enumerate(stages)]
         ray.get([a.stats.remote() for a in self.actors])  # wait until every actor is up
         self.link.start(self.actors)
@@ -102,6 +103,12 @@ class RayExecutor(Executor):
     @property
     def can_revive(self) -> bool:
         return self.link.replaces != "none"
+
+    def _clipping(self, stages: Sequence[Stage]) -> None:
+        """Whether the transport must gather every stage's gradient norm before an update (raises where it cannot)."""
+        self.link.global_norm = clips_globally(stages)
+        if self.link.global_norm:
+            check_global_norm(self.link.name, self.method)
 
     def _spawn(self, k: int, stage: Stage) -> Any:
         """A stage actor for stage ``k`` in its bundle."""
@@ -128,6 +135,7 @@ class RayExecutor(Executor):
             raise RuntimeError(f"transport={self.transport}: a collective group cannot be revived; recreate the executor")
         if len(stages) != self.num_stages:
             raise ValueError(f"got {len(stages)} stages for {self.num_stages} actors")
+        self._clipping(stages)
         if self.link.replaces == "all":
             self._respawn(stages)
             return list(range(self.num_stages))
@@ -154,6 +162,7 @@ class RayExecutor(Executor):
         that left the actors unusable (``p2p``): to new actors."""
         if len(stages) != self.num_stages:
             raise ValueError(f"got {len(stages)} stages for {self.num_stages} actors")
+        self._clipping(stages)
         if self.link.broken:
             self._respawn(stages)
             return

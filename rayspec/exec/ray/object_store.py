@@ -6,6 +6,12 @@ actor in submission order, so the pipeline advances by data flow, with no driver
 Activations and gradients go from actor to actor through the object store (zero-copy tensors) or, with
 ``gloo``/``nccl``, by Ray Direct Transport over a collective group of the stage actors; never through
 the driver. The driver waits only to bound the micro-batches in flight.
+
+With global clipping (``Transport.global_norm``), once the driver has submitted every stage's update-carrying
+backward of an update it submits, to every stage, ``grad_norms`` and then ``finish_update`` with all their
+results as arguments: Ray hands a call its arguments once they exist, so each stage applies its update as soon
+as the last stage's norms are known, and its next action (submitted later) runs after that. The driver itself
+never waits; the cost is two actor calls per stage and update, and one small object per stage.
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ class ObjectStoreTransport(Transport):
         done0: deque = deque()  # stage-0 backward refs not yet waited on, oldest first
         started0 = finished0 = 0  # stage-0 forwards submitted, stage-0 backwards known done
         last = n - 1
+        updates = [0] * n  # update-carrying backwards submitted, per stage
+        rounds: list = []  # finish_update refs of the global-norm rounds
         for p in ordered_actions(schedule, s):
             a, k, m = p.action, p.action.stage, p.action.microbatch
             actor = self.actors[k]
@@ -86,6 +94,7 @@ class ObjectStoreTransport(Transport):
                     ref = self._call(actor.forward_backward, k > 0).remote(m, x, to_wire(feed.labels(m)), p.s, sb,
                                                                           update)
                     _after_backward(k, m, ref, grads, done0)
+                    self._count_update(k, update, updates, rounds)
                 elif k == last:
                     actor.forward.remote(m, x, to_wire(feed.labels(m)), p.s)
                 else:
@@ -94,13 +103,25 @@ class ObjectStoreTransport(Transport):
                 g = None if k == last else grads.pop((k + 1, m))
                 ref = self._call(actor.backward, k > 0).remote(m, g, p.s, a.update)
                 _after_backward(k, m, ref, grads, done0)
+                self._count_update(k, a.update, updates, rounds)
             if k == last and a.kind == "F":
                 last_forwards += 1
                 if last_forwards % self.report_every == 0:
                     reports.append(self.actors[last].pop_losses.remote())
-        ray.get(list(done0))
+        ray.get(list(done0) + rounds)  # a failed round raises here, if no later action of its stage did
         reports.append(self.actors[last].pop_losses.remote())
         _collect(reports, on_losses, block=True)
+
+
+    def _count_update(self, k: int, update: bool, updates: list[int], rounds: list) -> None:
+        """Stage ``k``'s backward carried an update: with global clipping, once every stage's backward of this update
+        is submitted, submit the round that applies them (see the module's doc)."""
+        if not (update and self.global_norm):
+            return
+        updates[k] += 1
+        if min(updates) == max(updates):
+            norms = [a.grad_norms.remote() for a in self.actors]
+            rounds.extend(a.finish_update.remote(*norms) for a in self.actors)
 
 
 def _collect(reports: deque, on_losses: LossSink, block: bool) -> None:

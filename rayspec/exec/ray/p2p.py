@@ -12,6 +12,11 @@ host memory) or NCCL (``p2p_nccl``: a GPU per stage, device to device). No Ray t
 and no process spins while it waits. The chunks and when a send is waited on:
 ``rayspec.exec.ray.p2p_plan``; the messages and the order both ends keep: ``rayspec.exec.ray.p2p_wire``.
 
+With global clipping a stage, right after sending the gradient of an update-carrying backward, all-gathers
+every stage's gradient norms over a second gloo group of the stage actors and applies its update: one
+collective of ``(tensors of the largest stage + 1)`` floats per stage and update (a few hundred bytes), and
+each stage's update waits for the slowest stage's backward, as it must.
+
 Per stage, the actions run in the schedule's order, so this path computes what
 ``LocalExecutor`` computes. An error inside a stage leaves its neighbours waiting in ``recv``:
 the actors are then replaced, all of them (``replaces = "all"``), never reused.
@@ -70,6 +75,8 @@ class P2PEndpoint:
         self.store: Any = None
         self.groups: dict[tuple[int, str], Any] = {}  # (lower stage, direction) -> data group
         self.backend: str | None = None
+        self.norms_group: Any = None  # the gloo group the gradient norms are gathered over
+        self.width: tuple[Any, int] | None = None  # (stage, most gradient tensors of any stage)
 
     def rendezvous(self, world: int, timeout_s: float) -> tuple[str, int]:
         """Host the groups' rendezvous store (stage 0) on a port the system picks; its address and port."""
@@ -106,6 +113,7 @@ class P2PEndpoint:
         # every rank creates every group, in one order; ranks outside a group get a placeholder
         self.groups = {(lo, d): dist.new_group(ranks=[lo, lo + 1], backend=backend, timeout=timeout)
                        for lo in range(world - 1) for d in ("F", "B")}
+        self.norms_group = dist.new_group(backend="gloo", timeout=timeout)  # global clipping's norms
 
     def run(self, ops: Sequence[P2POp], data: dict, last: bool) -> dict[int, float]:
         """Run this stage's ops of one chunk; ``data``: stage 0's inputs by ``m``, the last stage's labels by
@@ -141,6 +149,8 @@ class P2PEndpoint:
             kind, to = ("F", k + 1) if op.kind == "F" else ("B", k - 1)
             if 0 <= to < n:
                 self.send(out, to, tag(kind, op.m))
+            if self.ops.stage.waiting:  # global clipping: its gradient is sent, now the norms
+                self.finish_update()
         if last:
             self.wait_sends()
         return self.ops.pop_losses()
@@ -151,6 +161,22 @@ class P2PEndpoint:
     def _group(self, peer: int, t: int) -> Any:
         """The data group of this stage and its neighbour ``peer`` for message ``t``'s direction."""
         return self.groups[(min(self.rank, peer), _direction(t))]
+
+    def finish_update(self) -> None:
+        """Gather every stage's gradient norms (``[count, norms..., padding]`` each) and apply the waiting update."""
+        assert self.ops is not None, "only a stage's endpoint applies updates"
+        stage = self.ops.stage
+        world = dist.get_world_size()
+        if self.width is None or self.width[0] is not stage:  # once per stage object: the largest stage's count
+            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(counts, torch.tensor([len(stage.params)]), group=self.norms_group)
+            self.width = (stage, max(int(c) for c in counts))
+        own = stage.grad_norms()
+        mine = torch.zeros(self.width[1] + 1, dtype=own.dtype)
+        mine[0], mine[1 : 1 + len(own)] = len(own), own
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(parts, mine, group=self.norms_group)
+        self.ops.finish_update(*(p[1 : 1 + int(p[0])] for p in parts))
 
     def send(self, value: Any, peer: int, t: int) -> None:
         """Send ``value`` to stage ``peer`` as message ``t``: its header, then its payload (waited on later:

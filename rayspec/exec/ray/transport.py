@@ -45,6 +45,8 @@ class StageOps(Protocol):
 
     def pop_losses(self) -> dict[int, float]: ...
 
+    def finish_update(self, *norms: torch.Tensor) -> None: ...
+
 
 class Transport(ABC):
     """One data path between the stage actors.
@@ -58,6 +60,9 @@ class Transport(ABC):
         broken: a failed segment left the actors unusable; the next ``load`` recreates them.
         nccl: the NCCL the path uses (``torch`` or ``ray``, ``rayspec.core.transports``), checked in every stage
             actor at ``start``; ``None``: none.
+        global_norm: the stages' updates wait for the gradient norm over all stages (global clipping, set by
+            the executor from the stages it ships): the transport gathers every stage's ``grad_norms`` and
+            hands them to each stage's ``finish_update`` before any stage acts again.
     """
 
     name: str
@@ -65,6 +70,7 @@ class Transport(ABC):
     env: dict[str, str] | None = None
     broken: bool = False
     nccl: str | None = None
+    global_norm: bool = False
 
     def start(self, actors: Sequence[Any]) -> None:
         """Take the (new) live stage actors, stage 0 first, and set up what the path needs among them; raises
