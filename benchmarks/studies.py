@@ -1,17 +1,21 @@
 """The shipped accuracy studies at their swept learning rate and at a third of it, with their reports.
 
     python -m benchmarks.studies [--only lstm_text,snn_image-third]
+    python -m benchmarks.studies --real [--only lstm_rt-third]
 
-Runs ``rayspec.cli.study`` for every entry of ``RUNS`` into ``outputs/studies/<label>`` (finished runs are
+Runs ``rayspec.cli.study`` for every entry of ``runs()`` into ``outputs/studies/<label>`` (finished runs are
 kept and skipped, as ``python -m rayspec.study`` does), then copies each study's ``study.md``,
 ``study_results.json`` and plots to ``benchmarks/results/studies/<label>/`` for the README.
 
-Every study runs at 4 stages, the stale methods and every SpecTrain predictor (``rayspec.core.predict``),
-3 seeds. The swept rate (``benchmarks/study_lr.py``: the largest the sequential baseline takes
-without losing accuracy) puts every stale method at the edge of its stability; the third of it is
+The synthetic studies run at 4 stages, the stale methods and every SpecTrain predictor
+(``rayspec.core.predict``), 3 seeds. The studies on real data (``--real``) run what their files name: 2 and
+4 stages, gpipe, the stale methods and SpecTrain's paper (linear and adaptive) and consistent variants,
+3 seeds. The swept rate (``benchmarks/study_lr.py``: the largest the sequential baseline takes without
+losing accuracy) puts every stale method at the edge of its stability; the third of it is
 fixed by that rule too, not chosen for any outcome. The same run by hand:
 
     python -m rayspec.study study=lstm_text 'methods=[async,pipedream,...]' 'stages=[4]' optim.lr=0.333
+    python -m rayspec.study study=lstm_rt optim.lr=...     # a real-data study: its file's methods and stages
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ NAMES = ("lstm_text", "transformer_text", "vgg16_image", "snn_image")
 METHODS = ["async", "pipedream", "spectrain-paper", "spectrain-consistent", "spectrain-paper-momentum",
            "spectrain-consistent-momentum", "spectrain-paper-adaptive", "spectrain-consistent-adaptive"]
 STAGES = [4]
+REAL = ("vgg16_fashion", "snn_fashion", "lstm_rt", "transformer_rt")
+"""The studies on real data; each runs its file's methods, stage counts and seeds."""
 
 
 def swept_lr(name: str) -> float:
@@ -39,10 +45,10 @@ def swept_lr(name: str) -> float:
     return next(float(o.split("=", 1)[1]) for o in raw["overrides"] if o.startswith("optim.lr="))
 
 
-def runs() -> dict[str, tuple[str, list[str]]]:
+def runs(names: tuple[str, ...] = NAMES) -> dict[str, tuple[str, list[str]]]:
     """Report label -> (study name, training overrides): each study at its swept rate and at a third of it."""
     out: dict[str, tuple[str, list[str]]] = {}
-    for name in NAMES:
+    for name in names:
         out[name] = (name, [])
         out[f"{name}-third"] = (name, [f"optim.lr={swept_lr(name) / 3:.4g}"])
     return out
@@ -53,9 +59,11 @@ FILES = ("study.md", "study_results.json", "learning_curves.png", "distance.png"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    table = runs()
-    ap.add_argument("--only", default=",".join(table), help="comma-separated report labels")
+    ap.add_argument("--real", action="store_true", help=f"the studies on real data: {', '.join(REAL)}")
+    ap.add_argument("--only", default=None, help="comma-separated report labels (default: every one)")
     args = ap.parse_args()
+    table = runs(REAL if args.real else NAMES)
+    args.only = args.only or ",".join(table)
     labels = args.only.split(",")
     unknown = [label for label in labels if label not in table]
     if unknown:
@@ -63,8 +71,9 @@ def main() -> None:
     for label in labels:
         name, overrides = table[label]
         t0 = time.perf_counter()
-        study = load_study(name, overrides, output_dir=str(ROOT / "outputs" / "studies" / label), methods=METHODS,
-                           stages=STAGES)
+        # a real-data study runs its own file's methods and stage counts
+        shape = {} if args.real else {"methods": METHODS, "stages": STAGES}
+        study = load_study(name, overrides, output_dir=str(ROOT / "outputs" / "studies" / label), **shape)
         run_study(study)
         target = RESULTS / "studies" / label
         target.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 
     python -m benchmarks.study_lr [--studies lstm_text,transformer_text,vgg16_image,snn_image]
                                   [--lrs 0.003,0.01,0.03,0.1,0.3,1.0] [--seed 0] [--quick]
+    python -m benchmarks.study_lr --real    # the studies on real data, into study_lr_real.json
 
 Each study's baseline (``vanilla`` on one stage, i.e. sequential SGD, with every other setting of the
 study: model, data, steps, momentum 0.9 and the poly schedule) trains once per learning rate on one
@@ -11,8 +12,10 @@ The rule, fixed before the studies ran: take the **largest** learning rate whose
 accuracy is within ``--tolerance`` (1 point) of the best in the grid and whose run did not diverge. The
 paper's regime is a large learning rate, where staleness matters; a smaller one would hide the
 methods' differences, a larger one costs the baseline accuracy. The table and the chosen rate per
-study go to ``benchmarks/results/study_lr.json``; the chosen rate is then written into
-``conf/study/NAME.yaml`` by hand.
+study go to ``benchmarks/results/study_lr.json`` (``--real``: ``study_lr_real.json``, or ``--results
+NAME``); the chosen rate is then written into ``conf/study/NAME.yaml`` by hand. A ``choices`` entry of
+the results file (the model and budget decisions of the studies, made on baseline runs too) is kept
+as it is.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from rayspec.cli.study import BASELINE, RunSpec, load_study, train_run
 from rayspec.cli.study_config import with_overrides
 
 STUDIES = ("lstm_text", "transformer_text", "vgg16_image", "snn_image")
+REAL = ("vgg16_fashion", "snn_fashion", "lstm_rt", "transformer_rt")
+"""The studies on real data (Fashion-MNIST, Rotten Tomatoes)."""
 LRS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
@@ -58,7 +63,10 @@ def sweep(name: str, lrs: list[float], seed: int, out: Path, extra: list[str]) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--studies", default=",".join(STUDIES))
+    ap.add_argument("--studies", default=None, help=f"comma-separated study names (default {','.join(STUDIES)})")
+    ap.add_argument("--real", action="store_true", help=f"the studies on real data: {','.join(REAL)}")
+    ap.add_argument("--results", default=None,
+                    help="results file name in benchmarks/results (default study_lr; study_lr_real with --real)")
     ap.add_argument("--lrs", default=",".join(str(x) for x in LRS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tolerance", type=float, default=0.01, help="accuracy (fraction) below the best still accepted")
@@ -66,20 +74,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="20 updates per run (a smoke test of this script)")
     args = ap.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
+    names = args.studies.split(",") if args.studies else list(REAL if args.real else STUDIES)
+    results = args.results or ("study_lr_real" if args.real else "study_lr")
     extra = ["train.max_steps=20", "train.eval_every=10", "train.log_every=10"] if args.quick else []
-    previous = RESULTS / "study_lr.json"
+    previous = RESULTS / f"{results}.json"
     studies = {} if args.quick or not previous.exists() else json.loads(previous.read_text())["studies"]
     t0 = time.perf_counter()
-    for name in args.studies.split(","):
+    for name in names:
         # rows of learning rates swept earlier (same seed) stay, so a grid can be extended one rate at a time
         kept = [r for r in studies.get(name, {}).get("rows", []) if r["lr"] not in lrs and r.get("seed") == args.seed]
         rows = sorted(kept + sweep(name, lrs, args.seed, Path(args.out), extra), key=lambda r: r["lr"])
         studies[name] = {"rows": rows, "chosen_lr": choose(rows, args.tolerance)}
         print(f"{name}: chosen lr {studies[name]['chosen_lr']}", flush=True)
         if not args.quick:  # written after each study, read again first: another process may sweep other studies
-            fresh = json.loads(previous.read_text())["studies"] if previous.exists() else {}
-            write("study_lr", {"tolerance": args.tolerance, "studies": {**fresh, name: studies[name]},
-                               "rule": "largest lr within tolerance of the best final val accuracy, not diverged"})
+            fresh = json.loads(previous.read_text()) if previous.exists() else {}
+            write(results, {"tolerance": args.tolerance, "studies": {**fresh.get("studies", {}), name: studies[name]},
+                            "rule": "largest lr within tolerance of the best final val accuracy, not diverged",
+                            **({"choices": fresh["choices"]} if "choices" in fresh else {})})
     print(f"{time.perf_counter() - t0:.0f} s; results in {previous}")
 
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from rayspec.cli.study import BASELINE, DEFAULT_METHODS, StudyError, available, load_study, main, plan_runs, run_study
+from rayspec.data import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -158,7 +159,12 @@ def test_cli_errors_exit_2(capsys):
 
 @pytest.mark.parametrize("name", available())
 def test_every_shipped_study_loads(name):
-    study = load_study(name)
+    try:
+        study = load_study(name)
+    except StudyError as err:
+        if isinstance(err.__cause__, DataError):  # a study on real data where `make data` has not run
+            pytest.skip(str(err))
+        raise
     assert study.stages and set(study.stages) <= {2, 4} and len(study.seeds) >= 3
     assert {m for m in DEFAULT_METHODS if m != "gpipe"} <= set(study.methods)  # the stale methods and SpecTrain
 
