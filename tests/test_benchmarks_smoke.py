@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
 
-from benchmarks import efficiency, memory, one_hop, peer, peer_setup, torch_peer  # noqa: E402
+from benchmarks import efficiency, memory, one_hop, peer, peer_setup, studies_table, torch_peer  # noqa: E402
 from rayspec.data import DataInfo  # noqa: E402
 from rayspec.models import build_model  # noqa: E402
 from rayspec.partition import uniform  # noqa: E402
@@ -159,3 +159,18 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     torch_row = next(r for r in rows if r["transport"] == "torch gpipe")
     assert torch_row["samples/s"] > 0 and "error" not in torch_row
     assert res.stdout.count("transport ") == 1  # one table
+
+
+def test_studies_table_reads_the_reports_into_the_authors_layout():
+    """The README's real-data rows come from each study's ``study_results.json``: accuracy and the change against
+    the same seed's sequential run in points, with the authors' row after a study whose model they report."""
+    runs = [{"label": "sequential", "stages": 4, "ok": 3, "runs": 3, "diverged": 0, "val_accuracy": 0.861,
+             "val_accuracy_std": 0.002},
+            {"label": "pipedream", "stages": 4, "ok": 3, "runs": 3, "diverged": 0, "val_accuracy": 0.8206,
+             "val_accuracy_std": 0.008, "val_accuracy_change": -0.0407, "val_accuracy_change_std": 0.0082},
+            {"label": "async", "stages": 4, "ok": 0, "runs": 3, "diverged": 3}]
+    report = {"table": runs, "settings": {"config": {"optim": {"lr": 0.03}}}}
+    lines = studies_table.accuracy_table({"vgg16_fashion": ("vgg16_fashion", report)}, 4)
+    assert lines[2] == "| vgg16_fashion (0.03) | 86.1 ± 0.2 | diverged | 82.1 (\u22124.1 ± 0.8) | – | – | – | – |"
+    assert lines[3].startswith("| *authors, VGG, CIFAR-10, 4 GPUs* | *DP 91.10* | *88.31 (\u22122.79)*")
+    assert studies_table.accuracy_table({"snn_fashion": ("snn_fashion", report)}, 4)[3:] == []  # no authors' row
