@@ -16,12 +16,15 @@ from typing import Any
 
 from benchmarks._common import RESULTS
 from benchmarks.studies import REAL, runs
+from rayspec.cli.study_config import BASELINE
+from rayspec.cli.study_report import PAPER_COLUMNS
 
-COLUMNS = [("sequential", "SEQ"), ("async", "MP"), ("pipedream", "PD"), ("spectrain-paper", "STv1"),
-           ("spectrain-paper-adaptive", "STv1 adaptive"), ("spectrain-consistent", "STv2"), ("gpipe", "GP")]
-"""Method labels and their columns: docs/design.md §6's names, STv1 adaptive and GP (gpipe) ours."""
-PREDICTING = [("spectrain-paper", "STv1"), ("spectrain-paper-adaptive", "STv1 adaptive"),
-              ("spectrain-consistent", "STv2")]
+_NAMES = {**PAPER_COLUMNS, "spectrain-paper-adaptive": "STv1 adaptive"}
+COLUMNS = [(label, _NAMES[label]) for label in (BASELINE, "async", "pipedream", "spectrain-paper",
+                                                "spectrain-paper-adaptive", "spectrain-consistent", "gpipe")]
+"""Method labels and their columns: the study report's names for the authors' columns (docs/design.md §6), and
+STv1 adaptive."""
+PREDICTING = [(label, _NAMES[label]) for label in ("spectrain-paper", "spectrain-paper-adaptive", "spectrain-consistent")]
 AUTHORS = {
     # docs/design.md §6, 4 GPUs: DP (2 GPUs), MP4, PD4, STv1_4, STv2_4; the study whose model it is
     "vgg16_fashion": ("VGG, CIFAR-10", [91.10, 88.31, 88.91, 88.11, 89.38]),
@@ -70,7 +73,7 @@ def accuracy_table(reports: dict[str, tuple[str, dict[str, Any]]], n: int) -> li
             lines += _authors(last)
         by = {(c["label"], c["stages"]): c for c in report["table"]}
         lr = report["settings"]["config"]["optim"]["lr"]
-        row = [_cell(by[key, n], key == "sequential") if (key, n) in by else "–" for key, _ in COLUMNS]
+        row = [_cell(by[key, n], key == BASELINE) if (key, n) in by else "–" for key, _ in COLUMNS]
         lines.append(f"| {name} ({lr:.4g}) | " + " | ".join(row) + " |")
         last = name
     if last is not None:

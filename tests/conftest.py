@@ -125,3 +125,18 @@ def assert_same_weights(a, b, **tol):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
+
+
+class Stop(Exception):
+    """Raised by a callback to stop a run in the middle of a segment, as a crash would."""
+
+
+class StopAfter:
+    """Stops a run at the loss record of ``step``: the newest checkpoint is the one before."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_metrics(self, record: dict) -> None:
+        if "loss" in record and record["step"] >= self.step:
+            raise Stop(record["step"])

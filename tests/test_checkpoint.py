@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Stop, StopAfter
 
 from rayspec.config import ConfigError, from_mapping
 from rayspec.core.stage import Stage
@@ -32,19 +33,6 @@ def settings(method: str, variant: str = "paper", executor: str = "local", predi
         "optim": {"lr": 0.08, "weight_decay": 1e-3, "schedule": "poly", **(optim or {})},
         "checkpoint": {"every": 5, "keep": 2},
     }
-
-
-class Stop(Exception):
-    """Raised by a callback to stop a run in the middle of a segment, as a crash would."""
-
-
-class StopAfter:
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_metrics(self, record: dict) -> None:
-        if "loss" in record and record["step"] >= self.step:
-            raise Stop(record["step"])
 
 
 def steps_and_values(run_dir: Path) -> list[tuple]:

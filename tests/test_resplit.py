@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Stop, StopAfter
 
 from rayspec.config import ConfigError, from_mapping
 from rayspec.core.stage import make_stages
@@ -28,21 +29,6 @@ def settings(method: str, stages: int, **pipeline) -> dict:
         "optim": {"lr": 0.08, "weight_decay": 1e-3, "schedule": "poly"},
         "checkpoint": {"every": 4, "keep": 5},
     }
-
-
-class Stop(Exception):
-    pass
-
-
-class StopAfter:
-    """Stops a run at the loss record of ``step``, as a crash would: the newest checkpoint is the one before."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_metrics(self, record: dict) -> None:
-        if "loss" in record and record["step"] >= self.step:
-            raise Stop(record["step"])
 
 
 def resumed(cfg: dict, stages: int | None = None, **pipeline) -> dict:

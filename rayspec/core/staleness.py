@@ -113,10 +113,10 @@ class ActionWeights:
     # ------------------------------------------------------------------ copies
     def _stash(self, version: int) -> None:
         weights, users = self.stash.get(version, (None, 0))
-        if weights is None:
-            weights = [p.data.clone() for p in self.params]
-        self.stash[version] = (weights, users + 1)
-        self.on_memory()
+        copied = weights is None
+        self.stash[version] = ([p.data.clone() for p in self.params] if copied else weights, users + 1)
+        if copied:  # only a new copy can raise the peak
+            self.on_memory()
 
     def _release(self, version: int) -> None:
         weights, users = self.stash.pop(version)
