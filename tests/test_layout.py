@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "rayspec"
 LAYERS = ("rayspec.errors", "rayspec.targets", "rayspec.core", "rayspec.data", "rayspec.models", "rayspec.partition", "rayspec.config",
           "rayspec.exec", "rayspec.exec.ray", "rayspec.training", "rayspec.cli")
-"""Bottom first: a module may import from its own layer and the layers before it (README, Layout)."""
+"""Bottom first: a module may import from its own layer and the layers before it (docs/layout.md)."""
 ENTRY = {"rayspec", "rayspec.train", "rayspec.tune", "rayspec.study", "rayspec.schedule"}
 """The package's front door and the ``python -m`` entry points: above every layer."""
 MAX_LINES = 400
