@@ -74,7 +74,8 @@ def communication(d: dict[str, Any]) -> list[str]:
             f"(batch {d['batch']['image']} images / {d['batch']['text']} text, `{d['partition']}` partition):", "",
             *_table(["model", "parameters", *(f"DP ÷ MP, N={n}" for n in ns)],
                     ([m["model"], m["parameters"], *(f"{_num(m['stages'][str(n)]['ratio_dp_over_mp'])}×" for n in ns)]
-                     for m in d["models"]))]
+                     for m in d["models"])),
+            "", "Plot: `benchmarks/results/communication.png` (`python -m benchmarks.plots`)."]
 
 
 def memory(d: dict[str, Any]) -> list[str]:
@@ -82,7 +83,8 @@ def memory(d: dict[str, Any]) -> list[str]:
             "stash against SpecTrain's scratch copy:", "",
             *_table(["model", "N", "pipedream MiB", "spectrain MiB", "ratio"],
                     ([r["model"], r["stages"], round(r["total"]["pipedream_mib"]), round(r["total"]["spectrain_mib"]),
-                      f"{r['total']['ratio']:.2f}"] for r in d["results"]))]
+                      f"{r['total']['ratio']:.2f}"] for r in d["results"])),
+            "", "Plot: `benchmarks/results/memory.png` (`python -m benchmarks.plots`)."]
 
 
 def throughput(d: dict[str, Any]) -> list[str]:
