@@ -134,6 +134,12 @@ def page() -> str:
     for group in GROUPS:
         if (CONF / group).is_dir():
             lines += _group(group)
+    lines += ["## Sweeps and studies", "",
+              "`python -m rayspec.tune` and `python -m rayspec.study` take the settings above as training overrides, "
+              "and settings of their own: a sweep file's keys (`sweep=NAME`, `resume`, `storage_path`, `num_samples`, "
+              "`max_concurrent_trials`, ...; [Sweeps](cluster.md#sweeps)) and a study file's keys (`study=NAME`, "
+              "`methods`, `stages`, `seeds`, `runner`, `executor`, `output_dir`, ...; [Accuracy studies](studies.md)). "
+              "`--help` on either lists them and the shipped files.", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
