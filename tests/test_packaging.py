@@ -1,6 +1,6 @@
 """rayspec as a user installs it: a wheel built from the checkout, installed (not editable) into a fresh virtual
 environment, runs ``python -m rayspec.train`` and ``python -m rayspec.tune`` from a directory outside the
-checkout, with the Hydra configs and sweeps that ship inside the package and a config directory of one's own.
+checkout, with the Hydra configs, sweeps and studies that ship inside the package and a config directory of one's own.
 
 The new environment gets its dependencies (torch, Ray, ...) from the interpreter running this test, through a
 ``.pth`` file naming a folder of links to that interpreter's site-packages, less any rayspec there; so nothing is
@@ -110,7 +110,9 @@ def test_the_installed_wheel_runs_outside_the_checkout(tmp_path):
     where = run("-c", "import rayspec, rayspec.config.compose as c; print(rayspec.__file__); print(c.CONF)")
     package, conf = where.stdout.split()
     assert Path(package).is_relative_to(tmp_path / "venv") and not Path(package).is_relative_to(ROOT)
-    assert (Path(conf) / "config.yaml").is_file() and (Path(package).parent / "sweeps" / "lr_method.yaml").is_file()
+    shipped = Path(package).parent / "experiments"
+    assert (Path(conf) / "config.yaml").is_file() and (shipped / "sweeps" / "lr_method.yaml").is_file()
+    assert (shipped / "studies" / "lstm_text.yaml").is_file()
 
     run("-m", "rayspec.train", "debug=smoke", "pipeline.executor=local", "hydra.run.dir=runs/smoke")
     assert json.loads((work / "runs/smoke/summary.json").read_text())["updates"] == 4

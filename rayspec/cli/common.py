@@ -15,10 +15,14 @@ from rayspec.errors import ConfigError
 from rayspec.models import ModelError
 from rayspec.partition import PartitionError
 
-__all__ = ["USER_ERRORS", "settings_names", "find_settings", "read_settings", "check_keys", "split_args"]
+__all__ = ["USER_ERRORS", "EXPERIMENTS", "settings_names", "find_settings", "read_settings", "check_keys", "split_args"]
 
 USER_ERRORS = (ConfigError, DataError, ModelError, PartitionError, ScheduleError)
 """Bad input: the command prints the message (it names the value and the fix) and exits with 2."""
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+"""The sweep files (``sweeps/``) and study files (``studies/``) shipped inside the package. Each describes many
+training runs and is read by its own loader (``rayspec.cli.sweep``, ``rayspec.cli.study_config``), not composed by
+Hydra; so they stay out of ``rayspec/conf``, where Hydra would list them as config groups of ``rayspec train``."""
 
 
 def settings_names(folder: Path) -> list[str]:

@@ -1,4 +1,4 @@
-"""Study files (``rayspec/conf/study/NAME.yaml``): loading, validation before any training, and the plan of runs.
+"""Study files (``rayspec/experiments/studies/NAME.yaml``): loading, validation before any training, and the plan of runs.
 
 See ``rayspec.cli.study`` for what a study trains and the notes on its baseline.
 """
@@ -15,9 +15,9 @@ from typing import Any
 
 import yaml
 
-from rayspec.cli.common import check_keys, find_settings, read_settings, settings_names
+from rayspec.cli.common import EXPERIMENTS, check_keys, find_settings, read_settings, settings_names
 from rayspec.config import Config, from_mapping
-from rayspec.config.compose import CONF, compose, merge_overrides, override_key
+from rayspec.config.compose import compose, merge_overrides, override_key
 from rayspec.core.methods import METHODS as REGISTRY
 from rayspec.errors import ConfigError
 from rayspec.training.prepare import prepare
@@ -26,7 +26,8 @@ __all__ = ["STUDIES", "METHODS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyE
            "find_study", "load_study", "run_config", "has_dropout", "plan_runs", "run_name", "with_overrides", "predicts",
            "study_settings", "RUNNERS", "baseline_stages", "run_spec"]
 
-STUDIES = CONF / "study"
+STUDIES = EXPERIMENTS / "studies"
+"""The study files shipped inside the package."""
 METHODS: dict[str, list[str]] = {
     "vanilla": ["pipeline.method=vanilla"],
     "gpipe": ["pipeline.method=gpipe"],
@@ -124,12 +125,12 @@ def run_name(label: str, stages: int, seed: int) -> str:
 
 
 def available() -> list[str]:
-    """The study names in ``rayspec/conf/study/``."""
+    """The study names in ``rayspec/experiments/studies/``."""
     return settings_names(STUDIES)
 
 
 def find_study(ref: str) -> Path:
-    """The study file for ``study=REF``: a name in ``rayspec/conf/study/`` or a path to a ``.yaml`` file."""
+    """The study file for ``study=REF``: a name in ``rayspec/experiments/studies/`` or a path to a ``.yaml`` file."""
     return find_settings(ref, STUDIES, "study", StudyError, "studies")
 
 
@@ -137,7 +138,7 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
     """Read, check and compose a study before any training.
 
     Args:
-        ref: a study name in ``rayspec/conf/study/`` or a path to a study file.
+        ref: a study name in ``rayspec/experiments/studies/`` or a path to a study file.
         overrides: training overrides from the command line (after the file's ``overrides``).
         **options: study settings that win over the file's (``methods``, ``stages``, ``seeds``, ``output_dir``,
             ``executor``).

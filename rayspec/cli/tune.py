@@ -1,4 +1,4 @@
-"""``python -m rayspec.tune sweep=NAME``: Ray Tune sweeps over training overrides (``rayspec/sweeps/NAME.yaml``).
+"""``python -m rayspec.tune sweep=NAME``: Ray Tune sweeps over training overrides (``rayspec/experiments/sweeps/NAME.yaml``).
 
 Each trial trains through ``rayspec.training.train`` in its own placement group: bundle 0 for the run's
 driver, then one bundle per stage (docs/design.md §3).
