@@ -1,4 +1,5 @@
-"""``python -m rayspec.study study=NAME``: every method against sequential training over stage counts and seeds.
+"""``rayspec study study=NAME`` (``python -m rayspec.study``): every method against sequential training over stage
+counts and seeds.
 
 A study (``rayspec/experiments/studies/NAME.yaml``) names one workload as training overrides of the run
 configuration, the methods, the stage counts and the seeds. Each run trains through ``rayspec.training.train`` with the
@@ -95,15 +96,15 @@ def run_study(study: Study, resume: bool = True, echo: Callable[[str], None] = p
 
 # --------------------------------------------------------------------------- command line
 
-USAGE = """usage: python -m rayspec.study study=NAME [methods=[async,spectrain-paper]] [stages=[2,4]] [seeds=[0,1,2]]
-                               [executor=local|ray] [output_dir=DIR] [resume=false]
-                               [runner=sequential|tune] [max_concurrent_trials=N|null] [training overrides]"""
+USAGE = """usage: rayspec study study=NAME [methods=[async,spectrain-paper]] [stages=[2,4]] [seeds=[0,1,2]]
+                     [executor=local|ray] [output_dir=DIR] [resume=false]
+                     [runner=sequential|tune] [max_concurrent_trials=N|null] [training overrides]
+       (python -m rayspec.study takes the same arguments; values are read as Hydra overrides)"""
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str, dict[str, Any], list[str]]:
-    """Split ``key=value`` arguments into the study reference, study options and training overrides."""
-    return split_args(argv, "study", CLI_KEYS, ("study", "output_dir", "executor", "runner"), available(), USAGE,
-                      StudyError)
+    """Split Hydra-style ``key=value`` arguments into the study reference, study options and training overrides."""
+    return split_args(argv, "study", CLI_KEYS, ("output_dir", "executor", "runner"), available(), USAGE, StudyError)
 
 
 def runner_options(options: dict[str, Any]) -> tuple[str, int | None]:
