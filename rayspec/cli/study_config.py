@@ -1,4 +1,5 @@
-"""Study files (``rayspec/experiments/studies/NAME.yaml``): loading, validation before any training, and the plan of runs.
+"""Study files (``rayspec/experiments/studies/NAME.yaml``): loading, validation before any training, and the plan of
+runs.
 
 See ``rayspec.cli.study`` for what a study trains and the notes on its baseline.
 """

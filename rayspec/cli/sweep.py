@@ -1,4 +1,5 @@
-"""Sweep files (``rayspec/experiments/sweeps/NAME.yaml``): loading, validation before any Ray work, and each trial's overrides.
+"""Sweep files (``rayspec/experiments/sweeps/NAME.yaml``): loading, validation before any Ray work, and each trial's
+overrides.
 
 ``rayspec.cli.tune`` runs a loaded sweep with Ray Tune.
 """
