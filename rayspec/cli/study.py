@@ -32,7 +32,7 @@ from rayspec.cli.study_config import (
     BASELINE,
     CLI_KEYS,
     DEFAULT_METHODS,
-    METHODS,
+    METHOD_LABELS,
     RUNNERS,
     STUDIES,
     RunSpec,
@@ -54,7 +54,7 @@ from rayspec.cli.study_run import (
 )
 from rayspec.training.progress import duration
 
-__all__ = ["STUDIES", "METHODS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
+__all__ = ["STUDIES", "METHOD_LABELS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
            "load_study", "plan_runs", "run_name", "run_study", "train_run", "relative_distance", "main"]
 
 
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``python -m rayspec.study``; returns the exit code (2: bad input, 1: a run failed other than diverging)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in args):
-        print(f"{USAGE}\nmethods: {', '.join(METHODS)}\navailable studies: {', '.join(available()) or 'none'}")
+        print(f"{USAGE}\nmethods: {', '.join(METHOD_LABELS)}\navailable studies: {', '.join(available()) or 'none'}")
         return 0
     try:
         ref, options, overrides = parse_args(args)
