@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
+from hydra.errors import HydraException
 
 from rayspec.core.schedule import ScheduleError
 from rayspec.data import DataError
@@ -75,10 +78,6 @@ def parse_overrides(argv: Sequence[str], keys: Sequence[str], text_keys: Sequenc
     Raises:
         error: an argument Hydra cannot read, or an option given as ``+key``, ``~key`` or a sweep ``a,b``.
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import OverrideType
-    from hydra.errors import HydraException
-
     parser = OverridesParser.create()
     options: dict[str, Any] = {}
     overrides: list[str] = []
@@ -95,7 +94,8 @@ def parse_overrides(argv: Sequence[str], keys: Sequence[str], text_keys: Sequenc
             overrides.append(arg)
             continue
         if override.type != OverrideType.CHANGE or override.is_sweep_override():
-            raise error(f"{arg!r}: give the option {key} as {key}=VALUE (one value, no + or ~)\n{usage}")
+            raise error(f"{arg!r}: give the option {key} as {key}=VALUE, one value or a list [a,b], without + or ~"
+                        f"\n{usage}")
         value = override.value()
         if key in text_keys and not isinstance(value, str):
             value = arg.split("=", 1)[1]

@@ -33,6 +33,8 @@ def usage() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rayspec ARGV`` (default: this process's arguments); returns the command's exit code, 2 for no command
     or an unknown one."""
+    # The first word picks the command and the rest goes to it untouched: argparse subcommands would read the
+    # arguments themselves (train's --help, -m and --cfg belong to Hydra).
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] in ("-h", "--help"):
         print(usage())

@@ -228,7 +228,8 @@ def run_config(study: Study, spec: RunSpec) -> Config:
     """The validated config of one run: the study's composed ``base`` with the run's owned keys set.
 
     The owned keys are plain values (no config groups), so setting them on the composed mapping gives what
-    Hydra composes from ``spec.overrides``.
+    Hydra composes from ``spec.overrides``; they are overrides this module writes (``key=scalar``), so a split
+    reads them, where Hydra's parser reads what a user writes (``rayspec.cli.common.parse_overrides``).
     """
     cfg = copy.deepcopy(study.base or compose(study.overrides))
     for override in spec.owned:
