@@ -1,4 +1,7 @@
-"""``python -m rayspec.study``: run an accuracy study (the command is ``rayspec.cli.study``)."""
+"""``python -m rayspec.study``: run an accuracy study; the same command as ``rayspec study``.
+
+A thin entry point: the command lives in ``rayspec.cli.study``.
+"""
 
 import sys
 

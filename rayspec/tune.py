@@ -1,4 +1,7 @@
-"""``python -m rayspec.tune``: run a Ray Tune sweep (the command is ``rayspec.cli.tune``)."""
+"""``python -m rayspec.tune``: run a Ray Tune sweep; the same command as ``rayspec tune``.
+
+A thin entry point: the command lives in ``rayspec.cli.tune``.
+"""
 
 import sys
 

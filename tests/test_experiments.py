@@ -12,10 +12,11 @@ import pytest
 import torch
 from test_data import write_cifar, write_imdb
 from test_train import CONF, compose_config
+from wandb_offline import offline_runs, read_offline_history
 
 from rayspec.config import ConfigError, from_mapping
 from rayspec.training import train
-from rayspec.training.loggers import build_callbacks, offline_runs, read_offline_history, wandb_mode
+from rayspec.training.loggers import build_callbacks, wandb_mode
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml"))
 PAPER = ["vgg16_cifar10", "resnet152_cifar10", "inceptionv4_cifar10", "snn_cifar10", "lstm_imdb", "transformer_imdb"]

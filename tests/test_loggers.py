@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from wandb_offline import offline_run_id, offline_runs, read_offline_history
 
 from rayspec.training import run
-from rayspec.training.loggers import RUN_FILE, offline_run_id, offline_runs, read_offline_history
+from rayspec.training.loggers import RUN_FILE
 
 BASE = ["model.size=tiny", "data.train_size=256", "data.val_size=64", "train.batch_size=16", "train.log_every=2",
         "train.eval_every=2", "checkpoint.every=2", "pipeline.executor=local", "pipeline.stages=2", "logger=wandb",

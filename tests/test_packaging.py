@@ -1,6 +1,7 @@
 """rayspec as a user installs it: a wheel built from the checkout, installed (not editable) into a fresh virtual
-environment, runs ``python -m rayspec.train`` and ``python -m rayspec.tune`` from a directory outside the
-checkout, with the Hydra configs and sweeps that ship inside the package and a config directory of one's own.
+environment, runs ``python -m rayspec.train``, ``python -m rayspec.tune`` and the ``rayspec`` script from a directory
+outside the checkout, with the Hydra configs, sweeps and studies that ship inside the package and a config directory
+of one's own.
 
 The new environment gets its dependencies (torch, Ray, ...) from the interpreter running this test, through a
 ``.pth`` file naming a folder of links to that interpreter's site-packages, less any rayspec there; so nothing is
@@ -94,7 +95,7 @@ USER_FILES = {
 }
 
 
-@pytest.mark.slow  # a wheel, an environment, three runs and a 2-trial sweep: 2-3 minutes on 2 busy cores
+@pytest.mark.slow  # a wheel, an environment, four runs and a 2-trial sweep: 2-3 minutes on 2 busy cores
 def test_the_installed_wheel_runs_outside_the_checkout(tmp_path):
     python, env = _install(tmp_path)
     work = tmp_path / "work"
@@ -102,15 +103,17 @@ def test_the_installed_wheel_runs_outside_the_checkout(tmp_path):
         (work / name).parent.mkdir(parents=True, exist_ok=True)
         (work / name).write_text(textwrap.dedent(text).lstrip())
 
-    def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        res = subprocess.run([str(python), *args], env=env, cwd=work, capture_output=True, text=True, timeout=timeout)
+    def run(*args: str, timeout: float = 600, command: Path = python) -> subprocess.CompletedProcess:
+        res = subprocess.run([str(command), *args], env=env, cwd=work, capture_output=True, text=True, timeout=timeout)
         assert res.returncode == 0, f"{args}:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
         return res
 
     where = run("-c", "import rayspec, rayspec.config.compose as c; print(rayspec.__file__); print(c.CONF)")
     package, conf = where.stdout.split()
     assert Path(package).is_relative_to(tmp_path / "venv") and not Path(package).is_relative_to(ROOT)
-    assert (Path(conf) / "config.yaml").is_file() and (Path(package).parent / "sweeps" / "lr_method.yaml").is_file()
+    shipped = Path(package).parent / "experiments"
+    assert (Path(conf) / "config.yaml").is_file() and (shipped / "sweeps" / "lr_method.yaml").is_file()
+    assert (shipped / "studies" / "lstm_text.yaml").is_file()
 
     run("-m", "rayspec.train", "debug=smoke", "pipeline.executor=local", "hydra.run.dir=runs/smoke")
     assert json.loads((work / "runs/smoke/summary.json").read_text())["updates"] == 4
@@ -119,6 +122,11 @@ def test_the_installed_wheel_runs_outside_the_checkout(tmp_path):
         "hydra.run.dir=runs/mine")
     mine = json.loads((work / "runs/mine/summary.json").read_text())
     assert mine["model"] == "mymodels.build" and mine["config"]["model"] == {"_target_": "mymodels.build", "width": 12}
+
+    script = python.parent / "rayspec"  # the console script: rayspec COMMAND is python -m rayspec.COMMAND
+    assert "available studies: lstm_rt, lstm_text" in run("study", "--help", command=script).stdout
+    run("train", "debug=smoke", "pipeline.executor=local", "hydra.run.dir=runs/script", command=script)
+    assert json.loads((work / "runs/script/summary.json").read_text())["updates"] == 4
 
     searchpath = f"hydra.searchpath=[file://{work / 'myconf'}]"
     run("-m", "rayspec.train", searchpath, "model=mine", "debug=smoke", "pipeline.executor=local",

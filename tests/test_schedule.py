@@ -130,20 +130,19 @@ def _cli(*args):
 
 
 def test_cli_grid_and_json():
-    out = _cli("--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--method", "spectrain",
-               "--variant", "paper").stdout
+    out = _cli("stages=4", "microbatches=8", "schedule=1f1b", "method=spectrain", "variant=paper").stdout
     assert "stage 3 |" in out and "F0+0" in out
-    recs = json.loads(_cli("--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--method", "spectrain",
-                           "--variant", "paper", "--json").stdout)
+    recs = json.loads(_cli("stages=4", "microbatches=8", "schedule=1f1b", "method=spectrain", "variant=paper",
+                           "json=true").stdout)
     assert len(recs) == 4 * 8 * 2
     assert set(recs[0]) == {"stage", "kind", "microbatch", "version", "s"}
     sch = build_schedule("1f1b", 4, 8)
     s = sch.version_differences("paper")
     for r in recs:
         assert r["s"] == s[(r["stage"], r["kind"], r["microbatch"])]
-    assert {r["s"] for r in json.loads(_cli("--method", "gpipe", "--json").stdout)} == {0}
+    assert {r["s"] for r in json.loads(_cli("method=gpipe", "json=true").stdout)} == {0}
 
 
 def test_cli_rejects_bad_input():
-    res = subprocess.run([sys.executable, "-m", "rayspec.schedule", "--stages", "0"], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "rayspec.schedule", "stages=0"], capture_output=True, text=True)
     assert res.returncode == 2 and "stages=0" in res.stderr

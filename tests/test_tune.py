@@ -105,7 +105,7 @@ def test_two_trial_sweep_writes_results(tiny_sweep):
 
 
 def test_sweep_trials_log_to_wandb_offline(tiny_sweep):
-    from rayspec.training.loggers import offline_runs, read_offline_history
+    from wandb_offline import offline_runs, read_offline_history
 
     _, sweep, rows, _ = tiny_sweep
     assert len(rows) == 2
@@ -211,9 +211,10 @@ def test_a_trial_run_again_continues_from_its_checkpoint_and_wandb_run(tmp_path,
     run; here its first attempt fails at its second evaluation, after the checkpoint at update 2."""
     import ray.tune
     import ray.util
+    from wandb_offline import offline_run_id, offline_runs, read_offline_history
 
     import rayspec.cli.tune as tune_cli
-    from rayspec.training.loggers import RUN_FILE, offline_run_id, offline_runs, read_offline_history
+    from rayspec.training.loggers import RUN_FILE
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

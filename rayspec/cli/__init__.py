@@ -1,3 +1,4 @@
-"""The command lines: ``python -m rayspec.train``, ``rayspec.tune``, ``rayspec.study`` and ``rayspec.schedule``."""
+"""The command lines: ``rayspec train|tune|study|schedule`` (``rayspec.cli.main``), each also
+``python -m rayspec.train|tune|study|schedule``; every one takes Hydra-style ``key=value`` arguments."""
 
 __all__: list[str] = []

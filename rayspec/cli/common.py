@@ -1,4 +1,5 @@
-"""What the command lines share: the errors they report as bad input, settings files, ``key=value`` arguments."""
+"""What the command lines share: the errors they report as bad input, settings files, Hydra-style ``key=value``
+arguments."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
+from hydra.errors import HydraException
 
 from rayspec.core.schedule import ScheduleError
 from rayspec.data import DataError
@@ -15,10 +19,15 @@ from rayspec.errors import ConfigError
 from rayspec.models import ModelError
 from rayspec.partition import PartitionError
 
-__all__ = ["USER_ERRORS", "settings_names", "find_settings", "read_settings", "check_keys", "split_args"]
+__all__ = ["USER_ERRORS", "EXPERIMENTS", "settings_names", "find_settings", "read_settings", "check_keys",
+           "parse_overrides", "split_args"]
 
 USER_ERRORS = (ConfigError, DataError, ModelError, PartitionError, ScheduleError)
 """Bad input: the command prints the message (it names the value and the fix) and exits with 2."""
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+"""The sweep files (``sweeps/``) and study files (``studies/``) shipped inside the package. Each describes many
+training runs and is read by its own loader (``rayspec.cli.sweep``, ``rayspec.cli.study_config``), not composed by
+Hydra; so they stay out of ``rayspec/conf``, where Hydra would list them as config groups of ``rayspec train``."""
 
 
 def settings_names(folder: Path) -> list[str]:
@@ -58,24 +67,51 @@ def check_keys(raw: Mapping[str, Any], known: Sequence[str], where: str, error: 
             raise error(f"{where}: unknown key {key!r}; {hint}known keys: {', '.join(known)}")
 
 
+def parse_overrides(argv: Sequence[str], keys: Sequence[str], text_keys: Sequence[str], usage: str,
+                    error: type[Exception]) -> tuple[dict[str, Any], list[str]]:
+    """Read ``argv`` with Hydra's override grammar (as ``rayspec train`` does) and split it into the command's own
+    options (``keys``) and training overrides (the rest, kept as written for Hydra to compose).
+
+    An option's value is what Hydra reads (``resume=false`` is False, ``stages=[2,4]`` a list, ``null`` None);
+    ``text_keys`` (names, paths) keep their text, so ``study=2024`` names the file ``2024.yaml``.
+
+    Raises:
+        error: an argument Hydra cannot read, or an option given as ``+key``, ``~key`` or a sweep ``a,b``.
+    """
+    parser = OverridesParser.create()
+    options: dict[str, Any] = {}
+    overrides: list[str] = []
+    for arg in argv:
+        if arg.startswith("-"):
+            flag = arg.lstrip("-").split("=", 1)[0]
+            raise error(f"argument {arg!r}: rayspec commands take key=value arguments; write {flag}=VALUE\n{usage}")
+        try:
+            override = parser.parse_override(arg)
+        except HydraException as err:
+            raise error(f"argument {arg!r} is not a Hydra override key=value: {err}\n{usage}") from err
+        key = override.key_or_group
+        if key not in keys:
+            overrides.append(arg)
+            continue
+        if override.type != OverrideType.CHANGE or override.is_sweep_override():
+            raise error(f"{arg!r}: give the option {key} as {key}=VALUE, one value or a list [a,b], without + or ~"
+                        f"\n{usage}")
+        value = override.value()
+        if key in text_keys and not isinstance(value, str):
+            value = arg.split("=", 1)[1]
+        options[key] = value
+    return options, overrides
+
+
 def split_args(argv: Sequence[str], kind: str, keys: Sequence[str], text_keys: Sequence[str], available: list[str],
                usage: str, error: type[Exception]) -> tuple[str, dict[str, Any], list[str]]:
-    """Split ``key=value`` arguments into the ``kind`` reference (``sweep=NAME``, ``study=NAME``), the command's
-    own options (``keys``; values read as YAML except ``text_keys``) and training overrides.
+    """Split the arguments of ``rayspec tune`` or ``rayspec study`` (``parse_overrides``) into the ``kind``
+    reference (``sweep=NAME``, ``study=NAME``), the command's own options (``keys``) and training overrides.
 
     Returns:
         The reference, the options (``resume`` always set, default true) and the overrides.
     """
-    options: dict[str, Any] = {}
-    overrides: list[str] = []
-    for arg in argv:
-        if "=" not in arg and not arg.startswith("~"):
-            raise error(f"argument {arg!r} is not key=value (or a Hydra deletion ~key)\n{usage}")
-        key, _, value = arg.partition("=")
-        if key in keys:
-            options[key] = value if key in text_keys else yaml.safe_load(value)
-        else:
-            overrides.append(arg)
+    options, overrides = parse_overrides(argv, keys, (kind, *text_keys), usage, error)
     if kind not in options:
         plural = "studies" if kind == "study" else kind + "s"
         raise error(f"give {kind}=NAME; available {plural}: {', '.join(available) or 'none'}\n{usage}")

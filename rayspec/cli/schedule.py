@@ -1,15 +1,19 @@
-"""``python -m rayspec.schedule``: print a schedule as a stage x time-slot grid, or one JSON record per action."""
+"""``rayspec schedule`` (``python -m rayspec.schedule``): print a schedule as a stage x time-slot grid, or one JSON
+record per action."""
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from collections.abc import Iterable
+from types import SimpleNamespace
 
+from rayspec.cli.common import check_keys, parse_overrides
+from rayspec.config.compose import override_key
 from rayspec.core.methods import METHODS, VARIANTS
 from rayspec.core.schedule import SCHEDULES, Schedule, ScheduleError, build_schedule
 
-__all__ = ["describe", "main"]
+__all__ = ["describe", "parse_args", "main"]
 
 
 def describe(schedule: Schedule, method: str, variant: str) -> list[dict]:
@@ -22,28 +26,68 @@ def describe(schedule: Schedule, method: str, variant: str) -> list[dict]:
     ]
 
 
-def main(argv: Iterable[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rayspec.schedule", description=__doc__.splitlines()[0])
-    pipelined = sorted(name for name, m in METHODS.items() if m.pipelined)
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedule", choices=SCHEDULES, default=None, help="default: the method's schedule")
-    parser.add_argument("--method", choices=pipelined, default="spectrain")
-    parser.add_argument("--variant", choices=VARIANTS, default="paper")
-    parser.add_argument("--group", type=int, default=None, help="micro-batches per update (gpipe: all)")
-    parser.add_argument("--json", action="store_true", help="print one JSON record per action instead of the grid")
-    args = parser.parse_args(None if argv is None else list(argv))
-    name = args.schedule or METHODS[args.method].schedule
-    if name is None:
-        parser.error(f"--method {args.method} runs no pipeline schedule; give --schedule")
+USAGE = """usage: rayspec schedule [stages=4] [microbatches=8] [schedule=NAME] [method=spectrain] [variant=paper]
+                        [group=N] [json=true]
+       (python -m rayspec.schedule takes the same arguments; values are read as Hydra overrides)
+  schedule   {schedules} (default: the method's schedule)
+  method     {methods}
+  variant    {variants}
+  group      micro-batches per update (gpipe: all)
+  json       print one JSON record per action instead of the grid"""
+DEFAULTS = {"stages": 4, "microbatches": 8, "schedule": None, "method": "spectrain", "variant": "paper", "group": None,
+            "json": False}
+
+
+def parse_args(argv: Iterable[str]) -> SimpleNamespace:
+    """The ``key=value`` arguments (Hydra's override grammar, as every rayspec command reads them) over ``DEFAULTS``.
+
+    Raises:
+        ScheduleError: an unknown key, or a value of the wrong type or not among the choices.
+    """
+    options, unknown = parse_overrides(list(argv), tuple(DEFAULTS), (), _usage(), ScheduleError)
+    check_keys(dict.fromkeys(override_key(o) for o in unknown), tuple(DEFAULTS), "rayspec.schedule", ScheduleError)
+    args = SimpleNamespace(**{**DEFAULTS, **options})
+    for key, choices in (("schedule", SCHEDULES), ("method", _pipelined()), ("variant", VARIANTS)):
+        value = getattr(args, key)
+        if value is not None and value not in choices:
+            raise ScheduleError(f"{key}={value} is unknown; choose from {', '.join(choices)}")
+    for key in ("stages", "microbatches", "group"):
+        value = getattr(args, key)
+        if (value is not None or key != "group") and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ScheduleError(f"{key}={value!r} must be an integer")
+    if not isinstance(args.json, bool):
+        raise ScheduleError(f"json={args.json!r} must be true or false")
+    return args
+
+
+def _pipelined() -> list[str]:
+    return sorted(name for name, m in METHODS.items() if m.pipelined)
+
+
+def _usage() -> str:
+    return USAGE.format(schedules=", ".join(SCHEDULES), methods=", ".join(_pipelined()), variants=", ".join(VARIANTS))
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """Run ``python -m rayspec.schedule``; returns the exit code (2: bad input)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(_usage())
+        return 0
     try:
+        args = parse_args(argv)
+        name = args.schedule or METHODS[args.method].schedule
+        if name is None:
+            raise ScheduleError(f"method={args.method} runs no pipeline schedule; give schedule=NAME")
         schedule = build_schedule(name, args.stages, args.microbatches, group=args.group)
     except ScheduleError as err:
-        parser.error(str(err))
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(describe(schedule, args.method, args.variant)))
-        return
+        return 0
     s = schedule.differences(args.method, args.variant)
     print(schedule.grid(s))
     if s is not None:
         print(f"cells read F<m>+<s>: weights predicted s versions ahead ({args.method}, variant={args.variant})")
+    return 0

@@ -1,6 +1,7 @@
-"""``python -m rayspec.study study=NAME``: every method against sequential training over stage counts and seeds.
+"""``rayspec study study=NAME`` (``python -m rayspec.study``): every method against sequential training over stage
+counts and seeds.
 
-A study (``rayspec/conf/study/NAME.yaml``) names one workload as training overrides of the run
+A study (``rayspec/experiments/studies/NAME.yaml``) names one workload as training overrides of the run
 configuration, the methods, the stage counts and the seeds. Each run trains through ``rayspec.training.train`` with the
 same data order and learning-rate schedule (both depend only on ``seed`` and the overrides); at every
 evaluation the run's merged weights are compared with the sequential run's weights at the same update.
@@ -31,7 +32,7 @@ from rayspec.cli.study_config import (
     BASELINE,
     CLI_KEYS,
     DEFAULT_METHODS,
-    METHODS,
+    METHOD_LABELS,
     RUNNERS,
     STUDIES,
     RunSpec,
@@ -53,7 +54,7 @@ from rayspec.cli.study_run import (
 )
 from rayspec.training.progress import duration
 
-__all__ = ["STUDIES", "METHODS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
+__all__ = ["STUDIES", "METHOD_LABELS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
            "load_study", "plan_runs", "run_name", "run_study", "train_run", "relative_distance", "main"]
 
 
@@ -95,15 +96,15 @@ def run_study(study: Study, resume: bool = True, echo: Callable[[str], None] = p
 
 # --------------------------------------------------------------------------- command line
 
-USAGE = """usage: python -m rayspec.study study=NAME [methods=[async,spectrain-paper]] [stages=[2,4]] [seeds=[0,1,2]]
-                               [executor=local|ray] [output_dir=DIR] [resume=false]
-                               [runner=sequential|tune] [max_concurrent_trials=N|null] [training overrides]"""
+USAGE = """usage: rayspec study study=NAME [methods=[async,spectrain-paper]] [stages=[2,4]] [seeds=[0,1,2]]
+                     [executor=local|ray] [output_dir=DIR] [resume=false]
+                     [runner=sequential|tune] [max_concurrent_trials=N|null] [training overrides]
+       (python -m rayspec.study takes the same arguments; values are read as Hydra overrides)"""
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str, dict[str, Any], list[str]]:
-    """Split ``key=value`` arguments into the study reference, study options and training overrides."""
-    return split_args(argv, "study", CLI_KEYS, ("study", "output_dir", "executor", "runner"), available(), USAGE,
-                      StudyError)
+    """Split Hydra-style ``key=value`` arguments into the study reference, study options and training overrides."""
+    return split_args(argv, "study", CLI_KEYS, ("output_dir", "executor", "runner"), available(), USAGE, StudyError)
 
 
 def runner_options(options: dict[str, Any]) -> tuple[str, int | None]:
@@ -127,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``python -m rayspec.study``; returns the exit code (2: bad input, 1: a run failed other than diverging)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in args):
-        print(f"{USAGE}\nmethods: {', '.join(METHODS)}\navailable studies: {', '.join(available()) or 'none'}")
+        print(f"{USAGE}\nmethods: {', '.join(METHOD_LABELS)}\navailable studies: {', '.join(available()) or 'none'}")
         return 0
     try:
         ref, options, overrides = parse_args(args)

@@ -1,4 +1,5 @@
-"""Study files (``rayspec/conf/study/NAME.yaml``): loading, validation before any training, and the plan of runs.
+"""Study files (``rayspec/experiments/studies/NAME.yaml``): loading, validation before any training, and the plan of
+runs.
 
 See ``rayspec.cli.study`` for what a study trains and the notes on its baseline.
 """
@@ -15,19 +16,20 @@ from typing import Any
 
 import yaml
 
-from rayspec.cli.common import check_keys, find_settings, read_settings, settings_names
+from rayspec.cli.common import EXPERIMENTS, check_keys, find_settings, read_settings, settings_names
 from rayspec.config import Config, from_mapping
-from rayspec.config.compose import CONF, compose, merge_overrides, override_key
-from rayspec.core.methods import METHODS as REGISTRY
+from rayspec.config.compose import compose, merge_overrides, override_key
+from rayspec.core.methods import METHODS
 from rayspec.errors import ConfigError
 from rayspec.training.prepare import prepare
 
-__all__ = ["STUDIES", "METHODS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
+__all__ = ["STUDIES", "METHOD_LABELS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
            "find_study", "load_study", "run_config", "has_dropout", "plan_runs", "run_name", "with_overrides", "predicts",
            "study_settings", "RUNNERS", "baseline_stages", "run_spec"]
 
-STUDIES = CONF / "study"
-METHODS: dict[str, list[str]] = {
+STUDIES = EXPERIMENTS / "studies"
+"""The study files shipped inside the package."""
+METHOD_LABELS: dict[str, list[str]] = {
     "vanilla": ["pipeline.method=vanilla"],
     "gpipe": ["pipeline.method=gpipe"],
     "async": ["pipeline.method=async"],
@@ -41,7 +43,8 @@ METHODS: dict[str, list[str]] = {
                                             f"pipeline.predictor={predictor}"]
        for variant in ("paper", "consistent") for predictor in ("momentum", "adaptive")},
 }
-"""Method labels a study may name, and the training overrides each stands for."""
+"""The method labels a study may name (``methods=[...]``), each with the training overrides it stands for: a method of
+the registry ``rayspec.core.methods.METHODS`` with a variant, predictor or backward."""
 DEFAULT_METHODS = ["async", "pipedream", "spectrain-paper", "spectrain-consistent", "gpipe"]
 BASELINE = "sequential"
 """The label of the baseline runs: ``vanilla``, which is sequential training (the run's optimizer)."""
@@ -68,7 +71,7 @@ class Study:
     overrides: list[str]
     """Training overrides of every run: ``pipeline.executor=local``, the file's, then the command line's."""
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
-    """Method labels (keys of ``METHODS``), each trained at every stage count; the baseline is added."""
+    """Method labels (keys of ``METHOD_LABELS``), each trained at every stage count; the baseline is added."""
     stages: list[int] = field(default_factory=lambda: [2, 4])
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     output_dir: str = ""
@@ -106,14 +109,14 @@ class RunSpec:
     @property
     def owned(self) -> list[str]:
         """The overrides the study sets for this run: method, variant, backward, stage count and seed."""
-        return [*METHODS["vanilla" if self.label == BASELINE else self.label], f"pipeline.stages={self.stages}",
+        return [*METHOD_LABELS["vanilla" if self.label == BASELINE else self.label], f"pipeline.stages={self.stages}",
                 f"seed={self.seed}"]
 
 
 def predicts(label: str) -> bool:
     """Whether the method label trains a method that predicts weights (SpecTrain)."""
-    method = next(o.split("=", 1)[1] for o in METHODS[label] if o.startswith("pipeline.method="))
-    return REGISTRY[method].predicts
+    method = next(o.split("=", 1)[1] for o in METHOD_LABELS[label] if o.startswith("pipeline.method="))
+    return METHODS[method].predicts
 
 
 def run_name(label: str, stages: int, seed: int) -> str:
@@ -124,12 +127,12 @@ def run_name(label: str, stages: int, seed: int) -> str:
 
 
 def available() -> list[str]:
-    """The study names in ``rayspec/conf/study/``."""
+    """The study names in ``rayspec/experiments/studies/``."""
     return settings_names(STUDIES)
 
 
 def find_study(ref: str) -> Path:
-    """The study file for ``study=REF``: a name in ``rayspec/conf/study/`` or a path to a ``.yaml`` file."""
+    """The study file for ``study=REF``: a name in ``rayspec/experiments/studies/`` or a path to a ``.yaml`` file."""
     return find_settings(ref, STUDIES, "study", StudyError, "studies")
 
 
@@ -137,7 +140,7 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
     """Read, check and compose a study before any training.
 
     Args:
-        ref: a study name in ``rayspec/conf/study/`` or a path to a study file.
+        ref: a study name in ``rayspec/experiments/studies/`` or a path to a study file.
         overrides: training overrides from the command line (after the file's ``overrides``).
         **options: study settings that win over the file's (``methods``, ``stages``, ``seeds``, ``output_dir``,
             ``executor``).
@@ -186,10 +189,10 @@ def _check(study: Study) -> None:
 
     where = study.name
     for label in study.methods:
-        if label not in METHODS:
-            close = difflib.get_close_matches(label, METHODS, n=1)
+        if label not in METHOD_LABELS:
+            close = difflib.get_close_matches(label, METHOD_LABELS, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
-            raise StudyError(f"{where}: method {label!r} is unknown; {hint}choose from {', '.join(METHODS)}")
+            raise StudyError(f"{where}: method {label!r} is unknown; {hint}choose from {', '.join(METHOD_LABELS)}")
     if study.threads is not None and (not isinstance(study.threads, int) or study.threads < 1):
         raise StudyError(f"{where}: threads={study.threads!r} must be an integer >= 1 (or null for torch's default)")
     if any(n < 1 for n in study.stages) or any(s < 0 for s in study.seeds):
@@ -225,7 +228,8 @@ def run_config(study: Study, spec: RunSpec) -> Config:
     """The validated config of one run: the study's composed ``base`` with the run's owned keys set.
 
     The owned keys are plain values (no config groups), so setting them on the composed mapping gives what
-    Hydra composes from ``spec.overrides``.
+    Hydra composes from ``spec.overrides``; they are overrides this module writes (``key=scalar``), so a split
+    reads them, where Hydra's parser reads what a user writes (``rayspec.cli.common.parse_overrides``).
     """
     cfg = copy.deepcopy(study.base or compose(study.overrides))
     for override in spec.owned:

@@ -1,4 +1,5 @@
-"""Sweep files (``rayspec/sweeps/NAME.yaml``): loading, validation before any Ray work, and each trial's overrides.
+"""Sweep files (``rayspec/experiments/sweeps/NAME.yaml``): loading, validation before any Ray work, and each trial's
+overrides.
 
 ``rayspec.cli.tune`` runs a loaded sweep with Ray Tune.
 """
@@ -13,14 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rayspec.cli.common import check_keys, find_settings, read_settings, settings_names
+from rayspec.cli.common import EXPERIMENTS, check_keys, find_settings, read_settings, settings_names
 from rayspec.config import Config, from_mapping
 from rayspec.config.compose import compose, merge_overrides, override_value
 from rayspec.errors import ConfigError
 
 __all__ = ["SWEEPS", "METRICS", "Sweep", "SweepError", "available", "load_sweep", "trial_overrides", "loggers"]
 
-SWEEPS = Path(__file__).resolve().parents[1] / "sweeps"
+SWEEPS = EXPERIMENTS / "sweeps"
 """The sweep files shipped inside the package."""
 DOMAINS = ("grid", "choice", "loguniform", "uniform", "randint")
 SEARCH_ALGS = ("random", "grid", "optuna")
@@ -63,12 +64,12 @@ class Sweep:
 
 
 def find_sweep(ref: str) -> Path:
-    """The sweep file for ``sweep=REF``: a name in ``rayspec/sweeps/`` or a path to a ``.yaml`` file."""
+    """The sweep file for ``sweep=REF``: a name in ``rayspec/experiments/sweeps/`` or a path to a ``.yaml`` file."""
     return find_settings(ref, SWEEPS, "sweep", SweepError)
 
 
 def available() -> list[str]:
-    """The sweep names in ``rayspec/sweeps/``."""
+    """The sweep names in ``rayspec/experiments/sweeps/``."""
     return settings_names(SWEEPS)
 
 
@@ -76,7 +77,7 @@ def load_sweep(ref: str, overrides: Sequence[str] = (), **options: Any) -> Sweep
     """Read, check and compose a sweep, before any Ray work.
 
     Args:
-        ref: a sweep name in ``rayspec/sweeps/`` or a path to a sweep file.
+        ref: a sweep name in ``rayspec/experiments/sweeps/`` or a path to a sweep file.
         overrides: training overrides from the command line (after the file's ``overrides``).
         **options: sweep settings that win over the file's (``storage_path``, ``num_samples``, ...).
 

@@ -1,9 +1,10 @@
-"""``python -m rayspec.train``: the Hydra entry point (``rayspec/conf/config.yaml``)."""
+"""``rayspec train`` and ``python -m rayspec.train``: the Hydra entry point (``rayspec/conf/config.yaml``)."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -18,8 +19,27 @@ __all__ = ["main"]
 log = logging.getLogger("rayspec")
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``python -m rayspec.train ARGV`` (default: this process's arguments); returns the exit code.
+
+    Hydra reads every argument itself (overrides, ``--help``, ``--cfg job``, ``-m``, ``--config-dir``) from
+    ``sys.argv``, so ``argv`` stands in for ``sys.argv[1:]`` during the call. Bad input exits with 2, a run that
+    diverged or failed beyond ``fault.max_restarts`` with 1, an error Hydra reports itself with 1.
+    """
+    if argv is None:
+        _train()
+        return 0
+    saved = sys.argv
+    sys.argv = [saved[0], *argv]
+    try:
+        _train()
+    finally:
+        sys.argv = saved
+    return 0
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
-def main(cfg: DictConfig) -> None:
+def _train(cfg: DictConfig) -> None:
     from rayspec.training import RunFailed, train
     from rayspec.training.loggers import build_callbacks
 

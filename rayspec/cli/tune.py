@@ -1,4 +1,5 @@
-"""``python -m rayspec.tune sweep=NAME``: Ray Tune sweeps over training overrides (``rayspec/sweeps/NAME.yaml``).
+"""``rayspec tune sweep=NAME`` (``python -m rayspec.tune``): Ray Tune sweeps over training overrides
+(``rayspec/experiments/sweeps/NAME.yaml``).
 
 Each trial trains through ``rayspec.training.train`` in its own placement group: bundle 0 for the run's
 driver, then one bundle per stage (docs/design.md §3).
@@ -310,13 +311,14 @@ def _cell(value: Any) -> str:
 
 # --------------------------------------------------------------------------- command line
 
-USAGE = """usage: python -m rayspec.tune sweep=NAME [resume=false] [storage_path=DIR] [num_samples=N]
-                              [max_concurrent_trials=N] [training overrides, e.g. train.max_steps=50]"""
+USAGE = """usage: rayspec tune sweep=NAME [resume=false] [storage_path=DIR] [num_samples=N] [max_concurrent_trials=N]
+                    [training overrides, e.g. train.max_steps=50]
+       (python -m rayspec.tune takes the same arguments; values are read as Hydra overrides)"""
 
 
 def parse_args(argv: Sequence[str]) -> tuple[str, dict[str, Any], list[str]]:
-    """Split ``key=value`` arguments into the sweep reference, sweep options and training overrides."""
-    return split_args(argv, "sweep", CLI_KEYS, ("sweep",), available(), USAGE, SweepError)
+    """Split Hydra-style ``key=value`` arguments into the sweep reference, sweep options and training overrides."""
+    return split_args(argv, "sweep", CLI_KEYS, ("storage_path",), available(), USAGE, SweepError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

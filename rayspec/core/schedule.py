@@ -50,14 +50,6 @@ class ActionKind(str, Enum):
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 
-    @property
-    def runs_forward(self) -> bool:
-        return self is not ActionKind.B
-
-    @property
-    def runs_backward(self) -> bool:
-        return self is not ActionKind.F
-
 
 @dataclass(frozen=True)
 class Action:
