@@ -35,7 +35,7 @@ _SWITCHES = ("trace",)
 """Settings a command line adds with ``+`` (``+trace=true``): not in Hydra's composed defaults."""
 
 
-@dataclass
+@dataclass(kw_only=True, slots=True)
 class Config:
     model: dict[str, Any] = field(default_factory=lambda: {"name": "mlp", "size": "small"})
     """``name`` (``rayspec.models``), ``size`` (``full``, ``small``, ``tiny``) and the builder's options; or, for a
