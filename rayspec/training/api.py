@@ -22,7 +22,7 @@ from rayspec.data import DataBundle
 from rayspec.data.custom import as_dataset
 from rayspec.errors import ConfigError
 from rayspec.models.custom import as_blocks
-from rayspec.training.callbacks import Callback, Callbacks
+from rayspec.training.callbacks import Callbacks
 from rayspec.training.loggers import build_callbacks
 from rayspec.training.summary import RunSummary
 from rayspec.training.trainer import train
@@ -31,7 +31,7 @@ __all__ = ["run", "fit", "new_run_dir"]
 
 
 def run(config: Config | Sequence[str] = (), run_dir: str | os.PathLike | None = None, *,
-        echo: Callable[[str], None] = print, callbacks: Sequence[Callback] = ()) -> RunSummary:
+        echo: Callable[[str], None] = print, callbacks: Sequence[Any] = ()) -> RunSummary:
     """Train as ``python -m rayspec.train`` would; returns the run's summary (``summary.json``).
 
     Args:
@@ -39,7 +39,7 @@ def run(config: Config | Sequence[str] = (), run_dir: str | os.PathLike | None =
             ``hydra.searchpath=[file:///abs/dir]`` adds a config directory of your own).
         run_dir: where the run's files go; default ``outputs/DATE/TIME`` under the working directory, as Hydra's.
         echo: prints one console line.
-        callbacks: more callbacks (``rayspec.Callback``: any of its hooks), after the logger's.
+        callbacks: more callbacks: objects with any of the hooks of ``rayspec.Callback``, after the logger's.
 
     Raises:
         ConfigError: a setting that cannot work, or a callback with a misspelt hook; before anything runs.
@@ -58,7 +58,7 @@ def run(config: Config | Sequence[str] = (), run_dir: str | os.PathLike | None =
 
 def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "spectrain", stages: int = 4,
         run_dir: str | os.PathLike | None = None, echo: Callable[[str], None] = print,
-        callbacks: Sequence[Callback] = (), **settings: Any) -> RunSummary:
+        callbacks: Sequence[Any] = (), **settings: Any) -> RunSummary:
     """Train ``blocks`` on ``train_data`` with ``method`` over ``stages`` pipeline stages; returns the run's summary
     (``summary.json``).
 
@@ -74,7 +74,7 @@ def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "sp
         stages: pipeline stages (data-parallel workers for ``dataparallel``).
         run_dir: where the run's files go; default ``outputs/DATE/TIME``.
         echo: prints one console line.
-        callbacks: more callbacks (``rayspec.Callback``: any of its hooks).
+        callbacks: more callbacks: objects with any of the hooks of ``rayspec.Callback``.
         settings: any other setting: a section as a mapping (``optim={"lr": 0.05}``, ``train={"max_steps": 200}``,
             ``pipeline={"executor": "local"}``), a field of a section by its own name where only one section has
             it (``lr=0.05``, ``max_steps=200``, ``executor="local"``, ``every=50`` for checkpoints), ``seed``,
