@@ -73,8 +73,8 @@ def main() -> None:
                                   executor=executor, max_steps=args.steps, batch_size=64, lr=0.1, log_every=20,
                                   cpus_per_stage=0.5 if executor == "ray" else None, echo=lambda _: None)
         trained[executor] = net  # fit leaves the run's final weights in the model
-        print(f"{executor:<6} {args.method} on {args.stages} stages: loss {summary['final_train_loss']:.4f}  "
-              f"val_accuracy {summary['val_accuracy']:.4f}")
+        print(f"{executor:<6} {args.method} on {args.stages} stages: loss {summary.final_train_loss:.4f}  "
+              f"val_accuracy {summary.val_accuracy:.4f}")
     if len(trained) == 2:
         same = all(torch.equal(a, b) for a, b in zip(trained["local"].state_dict().values(),
                                                       trained["ray"].state_dict().values()))

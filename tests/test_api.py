@@ -13,11 +13,12 @@ import yaml
 from torch import nn
 
 import rayspec
-from rayspec.config import Config, ConfigError
+from rayspec.config import Config, ConfigError, OptimConfig, PipelineConfig
 from rayspec.config.schema import SECTIONS
 from rayspec.config.settings import FIELDS
 from rayspec.models import ModelError
 from rayspec.partition import PartitionError
+from rayspec.training.summary import RunSummary
 
 
 def data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,8 +40,11 @@ def test_fit_trains_the_blocks_in_place_and_writes_a_run(tmp_path):
     before = copy.deepcopy(nn.Sequential(*net).state_dict())
     summary = rayspec.fit(net, data(256, 0), data(64, 1), method="pipedream", stages=3, run_dir=tmp_path,
                           executor="local", echo=lambda _: None, **SETTINGS)
-    assert (summary["method"], summary["stages"], summary["updates"], summary["model"]) == ("pipedream", 3, 12, "blocks")
-    assert summary["val_accuracy"] is not None and summary["balance"] == [1, 1, 1]
+    assert (summary.method, summary.stages, summary.updates, summary.model) == ("pipedream", 3, 12, "blocks")
+    assert summary.val_accuracy is not None and summary.balance == [1, 1, 1]
+    assert summary.to_dict() == json.loads((tmp_path / "summary.json").read_text())  # key for key, in order
+    assert list(summary.to_dict()) == list(json.loads((tmp_path / "summary.json").read_text()))
+    assert RunSummary.read(tmp_path) == summary
     after = nn.Sequential(*net).state_dict()
     saved = torch.load(tmp_path / "model.pt", weights_only=True)
     assert all(torch.equal(after[k], saved[k]) for k in saved)  # the blocks hold the run's final weights
@@ -52,7 +56,7 @@ def test_fit_trains_the_blocks_in_place_and_writes_a_run(tmp_path):
     again = rayspec.fit(nn.Sequential(*blocks()), data(256, 0), data(64, 1), method="pipedream", stages=3,
                         run_dir=tmp_path / "again", executor="local", echo=lambda _: None,
                         train={"max_steps": 12, "batch_size": 16, "log_every": 4, "eval_every": 6}, optim={"lr": 0.1})
-    assert again["final_train_loss"] == summary["final_train_loss"]  # sections as mappings: the same run
+    assert again.final_train_loss == summary.final_train_loss  # sections as mappings: the same run
 
 
 def test_fit_on_ray_equals_fit_in_one_process(tmp_path, ray_session):
@@ -76,20 +80,54 @@ def test_fit_names_what_does_not_fit(tmp_path):
         rayspec.fit(blocks(), data(64, 0), stages=9, run_dir=tmp_path, executor="local", batch_size=16)
 
 
-def test_every_field_name_belongs_to_one_section():
+def test_fit_takes_nested_settings_and_flat_ones_where_unambiguous(tmp_path, monkeypatch):
+    nested = rayspec.fit(blocks(), data(128, 0), run_dir=tmp_path / "nested", echo=lambda _: None,
+                         pipeline={"stages": 2, "executor": "local"}, optim={"lr": 0.1, "momentum": 0.5},
+                         train={"max_steps": 4, "batch_size": 16, "log_every": 2})
+    flat = rayspec.fit(blocks(), data(128, 0), run_dir=tmp_path / "flat", echo=lambda _: None, stages=2,
+                       executor="local", lr=0.1, momentum=0.5, max_steps=4, batch_size=16, log_every=2)
+    assert nested.config == flat.config and nested.final_train_loss == flat.final_train_loss
+    assert (nested.stages, nested.config["optim"]["momentum"]) == (2, 0.5)
+    with pytest.raises(ConfigError, match=r"optim.lr is given twice, as optim=\{'lr': ...\} and as lr=...; give it once"):
+        rayspec.fit(blocks(), data(64, 0), run_dir=tmp_path / "x", optim={"lr": 0.1}, lr=0.2)
+    with pytest.raises(ConfigError, match="optim.lr=-1 must be a positive number"):  # the section checks itself
+        rayspec.fit(blocks(), data(64, 0), run_dir=tmp_path / "x", optim={"lr": -1})
+    # Two sections may share a field name: as a flat keyword it is then refused, naming both.
     names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
-    assert len(names) == len(set(names)) == len(FIELDS)
+    assert sorted(FIELDS) == sorted(set(names)) and all(len(owners) == 1 for owners in FIELDS.values())
+    monkeypatch.setitem(FIELDS, "every", ("checkpoint", "train"))
+    with pytest.raises(ConfigError, match=r"every=5 is a field of the sections checkpoint and train; give it in its "
+                                          r"section, e.g. checkpoint=\{'every': 5\}"):
+        rayspec.fit(blocks(), data(64, 0), run_dir=tmp_path / "x", every=5)
+
+
+def test_a_section_refuses_a_misspelt_attribute_and_checks_itself_where_it_is_made():
+    config = Config()
+    config.pipeline.stages = 2  # a field may be set (Config.validate checks it again) ...
+    with pytest.raises(AttributeError, match="'PipelineConfig' object has no attribute 'stagse'"):
+        config.pipeline.stagse = 2  # ... a misspelt one cannot: slots
+    with pytest.raises(AttributeError, match="'Config' object has no attribute 'sed'"):
+        config.sed = 1  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stagse'"):
+        PipelineConfig(stagse=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="takes 1 positional argument"):
+        OptimConfig("adam")  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="optim.momentum=1.5 must be in"):
+        OptimConfig(momentum=1.5)
+    with pytest.raises(ConfigError, match="pipeline.stages=0 must be >= 1"):
+        dataclasses.replace(config.pipeline, stages=0)
 
 
 def test_run_takes_overrides_or_a_config(tmp_path):
     summary = rayspec.run(["debug=smoke", "pipeline.executor=local", "pipeline.stages=2"], tmp_path / "a",
                           echo=lambda _: None)
-    assert (summary["stages"], summary["updates"], summary["model_size"]) == (2, 4, "tiny")
+    assert (summary.stages, summary.updates, summary.model_size) == (2, 4, "tiny")
+    assert summary.to_dict() == json.loads((tmp_path / "a" / "summary.json").read_text())
     assert (tmp_path / "a" / ".hydra" / "config.yaml").exists()
     config = Config()
     config.pipeline.executor, config.pipeline.stages, config.train.max_steps = "local", 2, 3
     config.train.train_samples, config.train.log_every = 256, 3
-    assert rayspec.run(config, tmp_path / "b", echo=lambda _: None)["updates"] == 3
+    assert rayspec.run(config, tmp_path / "b", echo=lambda _: None).updates == 3
     with pytest.raises(ConfigError, match=r"give a Config or a list of overrides, e\.g\. \['debug=smoke'\]"):
         rayspec.run("debug=smoke", tmp_path / "c")
 

@@ -42,7 +42,7 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     # Resume from update 4, as after a crash once update 6 had reached W&B: 5-6 are not sent again.
     lines: list[str] = []
     summary = run([*BASE, "train.max_steps=8", f"checkpoint.resume={checkpoint}"], first, echo=lines.append)
-    assert summary["resumed_from"] == 4
+    assert summary.resumed_from == 4
     assert f"W&B: continuing run {wandb_id} from update 4; updates 5-6 are in W&B already and are not sent again" in lines
     assert steps(first) == [(wandb_id, [2, 4, 6]), (wandb_id, [8])]
     assert json.loads((first / RUN_FILE).read_text())["last_step"] == 8

@@ -11,6 +11,7 @@ import torchvision
 from torch import nn
 
 from rayspec.data import DataInfo
+from rayspec.errors import ConfigError
 from rayspec.models import MODELS, SIZES, ModelError, build_model, densenet, googlenet, resnet, vgg
 from rayspec.models._util import count_parameters
 
@@ -226,8 +227,8 @@ def test_bad_data_or_options_raise_model_error(name, info, options, match):
         build_model(name, info, "tiny", **options)
 
 
-def test_a_builder_called_with_an_unknown_size_raises_model_error():
-    with pytest.raises(ModelError, match="model.size='huge'"):
+def test_a_builder_called_with_an_unknown_size_raises_config_error():
+    with pytest.raises(ConfigError, match="model.size='huge' is unknown for model=densenet121"):
         MODELS["densenet121"]("huge", IMAGE)
 
 

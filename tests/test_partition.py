@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rayspec.data import build_data
+from rayspec.errors import ConfigError
 from rayspec.models import build_model
 from rayspec.models._util import count_parameters
 from rayspec.partition import (
@@ -227,7 +228,7 @@ def test_impossible_balances(mlp, stages, balance, needle):
 
 def test_plan_rejects_unknown_partition_and_missing_sample(mlp):
     model, _ = mlp
-    with pytest.raises(PartitionError, match="'fastest'.*uniform, parameters, profile"):
+    with pytest.raises(ConfigError, match="'fastest'.*uniform, parameters, profile"):
         choose_partition(model, 2, "fastest")
     with pytest.raises(PartitionError, match="sample_input"):
         choose_partition(model, 2, "profile")

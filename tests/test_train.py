@@ -13,7 +13,7 @@ from rayspec.config import ConfigError, from_mapping
 from rayspec.config.compose import CONF as CONF_DIR
 from rayspec.config.compose import compose
 from rayspec.data import DataError
-from rayspec.models import ModelError, build_model
+from rayspec.models import build_model
 from rayspec.partition import PartitionError
 from rayspec.training import train
 from rayspec.training.prepare import prepare
@@ -105,9 +105,9 @@ BAD = [
     (["pipeline.balance=[4,3]"], ConfigError, "has 2 entries but pipeline.stages=4"),
     (["train.max_steps=0"], ConfigError, "train.max_steps=0 must be >= 1"),
     (["train.batch_size=100000"], ConfigError, "exceeds the training set"),
-    (["model.name=alexnet"], ModelError, "model='alexnet' is unknown"),
-    (["model.size=huge"], ModelError, "model.size='huge' is unknown"),
-    (["data.name=svhn"], DataError, "data='svhn' is unknown"),
+    (["model.name=alexnet"], ConfigError, "model='alexnet' is unknown"),
+    (["model.size=huge"], ConfigError, "model.size='huge' is unknown"),
+    (["data.name=svhn"], ConfigError, "data='svhn' is unknown"),
     (["+pipeline.stagse=3"], ConfigError, "unknown key(s) pipeline.stagse"),
     (["ray.address=auto", "ray.num_cpus=2"], ConfigError, "ray.num_cpus=2 applies only when rayspec starts Ray"),
     (["+trace=yes"], ConfigError, "trace='yes' must be true or false"),

@@ -13,17 +13,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException
 
-from rayspec.core.schedule import ScheduleError
-from rayspec.data import DataError
-from rayspec.errors import ConfigError
-from rayspec.models import ModelError
-from rayspec.partition import PartitionError
-
-__all__ = ["USER_ERRORS", "EXPERIMENTS", "settings_names", "find_settings", "read_settings", "check_keys",
+__all__ = ["EXPERIMENTS", "settings_names", "find_settings", "read_settings", "check_keys",
            "parse_overrides", "split_args"]
 
-USER_ERRORS = (ConfigError, DataError, ModelError, PartitionError, ScheduleError)
-"""Bad input: the command prints the message (it names the value and the fix) and exits with 2."""
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 """The sweep files (``sweeps/``) and study files (``studies/``) shipped inside the package. Each describes many
 training runs and is read by its own loader (``rayspec.cli.sweep``, ``rayspec.cli.study_config``), not composed by

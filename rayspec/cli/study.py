@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rayspec.cli.common import USER_ERRORS, split_args
+from rayspec.cli.common import split_args
 from rayspec.cli.study_config import (
     BASELINE,
     CLI_KEYS,
@@ -52,6 +52,7 @@ from rayspec.cli.study_run import (
     report_study,
     train_run,
 )
+from rayspec.errors import RayspecError
 from rayspec.training.progress import duration
 
 __all__ = ["STUDIES", "METHOD_LABELS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             payload = tune_study(study, resume=resume, max_concurrent_trials=limit)
         else:
             payload = run_study(study, resume=resume)
-    except (StudyError, *USER_ERRORS) as err:
+    except RayspecError as err:  # StudyError and every other bad input
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:

@@ -20,7 +20,7 @@ from rayspec.cli.common import EXPERIMENTS, check_keys, find_settings, read_sett
 from rayspec.config import Config, from_mapping
 from rayspec.config.compose import compose, merge_overrides, override_key
 from rayspec.core.methods import METHODS
-from rayspec.errors import ConfigError
+from rayspec.errors import ConfigError, RayspecError
 from rayspec.training.prepare import prepare
 
 __all__ = ["STUDIES", "METHOD_LABELS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
@@ -59,7 +59,7 @@ FINISHED = ("ok", "diverged")
 OWNED = ("pipeline.method", "pipeline.variant", "pipeline.predictor", "pipeline.backward", "pipeline.stages", "seed")
 
 
-class StudyError(ValueError):
+class StudyError(RayspecError):
     """A study file or option that cannot work; the message names the value and the fix."""
 
 

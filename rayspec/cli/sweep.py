@@ -17,7 +17,7 @@ from typing import Any
 from rayspec.cli.common import EXPERIMENTS, check_keys, find_settings, read_settings, settings_names
 from rayspec.config import Config, from_mapping
 from rayspec.config.compose import compose, merge_overrides, override_value
-from rayspec.errors import ConfigError
+from rayspec.errors import ConfigError, RayspecError
 
 __all__ = ["SWEEPS", "METRICS", "Sweep", "SweepError", "available", "load_sweep", "trial_overrides", "loggers"]
 
@@ -31,7 +31,7 @@ FILE_KEYS = ("name", "overrides", "search_space", "metric", "mode", "num_samples
 ASHA_KEYS = ("name", "max_t", "grace_period", "reduction_factor")
 
 
-class SweepError(ValueError):
+class SweepError(RayspecError):
     """A sweep file or option that cannot work; the message names the value and the fix."""
 
 

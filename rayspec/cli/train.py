@@ -10,9 +10,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from rayspec.cli.common import USER_ERRORS
 from rayspec.config import from_mapping
 from rayspec.config.compose import CONF
+from rayspec.errors import RayspecError
 
 __all__ = ["main"]
 
@@ -47,7 +47,7 @@ def _train(cfg: DictConfig) -> None:
         config = from_mapping(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
         run_dir = HydraConfig.get().runtime.output_dir
         train(config, run_dir, echo=log.info, callbacks=build_callbacks(config, run_dir, echo=log.info))
-    except USER_ERRORS as err:
+    except RayspecError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except (FloatingPointError, RunFailed) as err:  # diverged, or a failure beyond fault.max_restarts

@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rayspec.cli.common import USER_ERRORS, split_args
+from rayspec.cli.common import split_args
 from rayspec.cli.sweep import METRICS, Sweep, SweepError, available, load_sweep, loggers, trial_overrides
 from rayspec.config import PipelineConfig, from_mapping
 from rayspec.config.compose import compose, override_key
-from rayspec.errors import ConfigError
+from rayspec.errors import ConfigError, RayspecError
 
 __all__ = ["run_sweep", "trial", "trial_bundles", "param_space", "write_results", "best_row", "report_lines", "parse_args",
            "main"]
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resume = options.pop("resume")
         sweep = load_sweep(ref, overrides, **options)
         rows = run_sweep(sweep, resume=resume)
-    except (SweepError, *USER_ERRORS) as err:
+    except RayspecError as err:  # SweepError and every other bad input
         print(f"error: {err}", file=sys.stderr)
         return 2
     failed = [r["trial_id"] for r in rows if r["status"] == "ERROR"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from rayspec.errors import ConfigError
+from rayspec.errors import ConfigError, unknown
 
 __all__ = ["choice", "number", "integer", "optional_integer"]
 
@@ -13,7 +13,7 @@ __all__ = ["choice", "number", "integer", "optional_integer"]
 def choice(name: str, value: Any, choices: Iterable[str]) -> None:
     choices = tuple(choices)
     if value not in choices:
-        raise ConfigError(f"{name}={value!r} is unknown; choose one of {', '.join(choices)}")
+        raise unknown(name, value, choices)
 
 
 def number(v: Any) -> bool:

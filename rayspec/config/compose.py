@@ -3,7 +3,8 @@
 The sections' defaults (``rayspec.config.sections``) are stored in Hydra's config store as ``rayspec``,
 which ``rayspec/conf/config.yaml`` lists first; the YAML groups (models, data sets, loggers, debug
 presets, experiments) are merged on top. The store entry holds plain values, not a typed schema, so a
-value of the wrong type reaches ``Config.validate``, whose message names the value and the fix.
+value of the wrong type reaches the section's own check (``rayspec.config.sections``), whose message names the
+value and the fix.
 """
 
 from __future__ import annotations

@@ -35,8 +35,12 @@ _SWITCHES = ("trace",)
 """Settings a command line adds with ``+`` (``+trace=true``): not in Hydra's composed defaults."""
 
 
-@dataclass
+@dataclass(kw_only=True, slots=True)
 class Config:
+    """A run's configuration: the typed sections, each checked where it is made, the free-form ``model``, ``data``
+    and ``logger`` sections and the top-level settings. No attribute but these (a misspelt one is an
+    ``AttributeError``); ``validate`` checks the sections again (a field may be set after) and across sections."""
+
     model: dict[str, Any] = field(default_factory=lambda: {"name": "mlp", "size": "small"})
     """``name`` (``rayspec.models``), ``size`` (``full``, ``small``, ``tiny``) and the builder's options; or, for a
     model of your own, ``_target_`` (``mypkg.models.build``) and its arguments (``rayspec.models.custom``)."""

@@ -21,15 +21,29 @@ from rayspec.core.transports import TRANSPORTS, check_placement
 from rayspec.errors import ConfigError
 from rayspec.partition import PARTITIONS
 
-__all__ = ["PipelineConfig", "OptimConfig", "TrainConfig", "CheckpointConfig", "FaultConfig", "RayConfig",
+__all__ = ["Section", "PipelineConfig", "OptimConfig", "TrainConfig", "CheckpointConfig", "FaultConfig", "RayConfig",
            "EXECUTORS", "PLACEMENTS"]
 
 EXECUTORS = ("local", "ray")
 PLACEMENTS = ("pack", "spread")
 
 
-@dataclass
-class PipelineConfig:
+class Section:
+    """A typed section: keyword fields only and no attribute but its fields (``slots``: a misspelt one is an
+    ``AttributeError``); it checks itself where it is made (``__post_init__``, also run by ``dataclasses.replace``),
+    and ``Config.validate`` checks it again, as its fields may be set after."""
+
+    __slots__ = ()
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` naming the first value that cannot work and its fix."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineConfig(Section):
     method: str = "spectrain"
     """Training method (``rayspec.core.methods``; docs/design.md §2); ``dataparallel``: ``stages`` Ray Train DDP
     workers, each the whole model."""
@@ -114,8 +128,8 @@ class PipelineConfig:
             check_placement(self.transport, self.gpus_per_stage)
 
 
-@dataclass
-class OptimConfig:
+@dataclass(kw_only=True, slots=True)
+class OptimConfig(Section):
     name: str = "sgd"
     """The optimizer (``rayspec.core.optim.OPTIMIZERS``): ``sgd``, ``adam`` or ``adamw``; ``optim=adamw`` picks the
     group file ``rayspec/conf/optim/adamw.yaml`` (its learning rate and weight decay). SpecTrain predicts along the
@@ -172,8 +186,8 @@ class OptimConfig:
                               "optim.clip_grad_norm=1.0 (or null for no clipping)")
 
 
-@dataclass
-class TrainConfig:
+@dataclass(kw_only=True, slots=True)
+class TrainConfig(Section):
     max_steps: int = 300
     """Optimizer updates to run (each consumes one batch)."""
     batch_size: int = 64
@@ -202,8 +216,8 @@ class TrainConfig:
             optional_integer(f"train.{name}", getattr(self, name), 1, "use null for the whole split")
 
 
-@dataclass
-class CheckpointConfig:
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig(Section):
     every: int = 0
     """Updates between checkpoints (0: only at the end); the pipeline drains at each (docs/design.md §7)."""
     keep: int = 3
@@ -221,8 +235,8 @@ class CheckpointConfig:
                 raise ConfigError(f"checkpoint.{name}={getattr(self, name)!r} must be a path (or null)")
 
 
-@dataclass
-class FaultConfig:
+@dataclass(kw_only=True, slots=True)
+class FaultConfig(Section):
     max_restarts: int = 0
     """Times a run whose stage or driver actor died is restarted from its last checkpoint (Ray executor only)."""
 
@@ -230,8 +244,8 @@ class FaultConfig:
         integer("fault.max_restarts", self.max_restarts, 0, "use 0 to stop at the first failure")
 
 
-@dataclass
-class RayConfig:
+@dataclass(kw_only=True, slots=True)
+class RayConfig(Section):
     address: str | None = None
     """null: start a fresh local Ray, or join the cluster in ``RAY_ADDRESS`` when that is set (a ``ray job submit``
     job); ``auto``: the head ``ray start`` recorded on this machine; ``HOST:PORT`` or ``ray://HOST:PORT``: that

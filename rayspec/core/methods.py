@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rayspec.errors import unknown
+
 __all__ = ["Method", "METHODS", "POLICIES", "VARIANTS", "BACKWARDS", "method"]
 
 POLICIES = ("none", "stash", "predict")
@@ -68,8 +70,7 @@ METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 
 
 def method(name: str) -> Method:
-    """The method called ``name``; ``KeyError`` naming the choices for an unknown one."""
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise KeyError(f"pipeline.method={name!r} is unknown; choose one of {', '.join(METHODS)}") from None
+    """The method called ``name``; ``ConfigError`` naming the choices for an unknown one."""
+    if name not in METHODS:
+        raise unknown("pipeline.method", name, METHODS)
+    return METHODS[name]

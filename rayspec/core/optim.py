@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from rayspec.errors import unknown
+
 __all__ = ["OPTIMIZERS", "OptimSpec", "Optimizer", "Rule", "sgd_state"]
 
 
@@ -175,7 +177,7 @@ class Optimizer:
     def __init__(self, params: Sequence[torch.nn.Parameter], spec: OptimSpec = OptimSpec(),
                  keep_last: bool = False) -> None:
         if spec.name not in OPTIMIZERS:
-            raise ValueError(f"optim.name={spec.name!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
+            raise unknown("optim.name", spec.name, OPTIMIZERS)
         self.params = list(params)
         self.spec = spec
         self.rule = OPTIMIZERS[spec.name]

@@ -45,6 +45,7 @@ import torch
 
 from rayspec.core.lr import LRSchedule
 from rayspec.core.optim import Optimizer
+from rayspec.errors import unknown
 
 __all__ = ["PREDICTORS", "PredictionProbe", "coefficients", "ratios", "window"]
 
@@ -78,7 +79,7 @@ def coefficients(predictor: str, s: int, version: int, lr: LRSchedule, optimizer
             kept = 1.0 - rate * wd
             a, b = kept * a, kept * b - rate * optimizer.factor(version, i, decaying=True)
         return a, b
-    raise ValueError(f"predictor={predictor!r} is unknown; choose one of {', '.join(PREDICTORS)}")
+    raise unknown("predictor", predictor, PREDICTORS)
 
 
 class PredictionProbe:

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from enum import Enum
 
 from rayspec.core.methods import VARIANTS, method
+from rayspec.errors import RayspecError
 
 __all__ = ["ActionKind", "Action", "Schedule", "ScheduleError", "build_schedule", "SCHEDULES"]
 
 SCHEDULES = ("vanilla", "gpipe", "1f1b")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(RayspecError):
     """A schedule that cannot run: missing or repeated actions, a deadlock, a bad argument."""
 
 

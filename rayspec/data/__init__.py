@@ -8,10 +8,12 @@ from typing import Any, Literal
 
 from torch.utils.data import Dataset
 
+from rayspec.errors import RayspecError, unknown
+
 __all__ = ["DataInfo", "DataBundle", "DATASETS", "register", "build_data", "DataError"]
 
 
-class DataError(ValueError):
+class DataError(RayspecError):
     """Missing files, an unknown data set name or a bad option."""
 
 
@@ -58,7 +60,7 @@ def register(name: str) -> Callable[[Callable[..., DataBundle]], Callable[..., D
 def build_data(name: str, root: str | None = None, seed: int = 0, **options: Any) -> DataBundle:
     """Build data set ``name``; ``root`` is where its files are (ignored by synthetic sets)."""
     if name not in DATASETS:
-        raise DataError(f"data={name!r} is unknown; choose one of {', '.join(sorted(DATASETS))}")
+        raise unknown("data", name, sorted(DATASETS))
     return DATASETS[name](root=root, seed=seed, **options)
 
 

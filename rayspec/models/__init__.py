@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from rayspec.data import DataInfo
+from rayspec.errors import RayspecError, unknown
 
 __all__ = ["MODELS", "SIZES", "register", "build_model", "ModelError"]
 
@@ -19,7 +20,7 @@ SIZES = ("full", "small", "tiny")
 MODELS: dict[str, Callable[..., nn.Sequential]] = {}
 
 
-class ModelError(ValueError):
+class ModelError(RayspecError):
     """An unknown model name, size or option."""
 
 
@@ -36,9 +37,9 @@ def register(name: str) -> Callable[[Callable[..., nn.Sequential]], Callable[...
 def build_model(name: str, info: DataInfo, size: str = "full", **options: Any) -> nn.Sequential:
     """Build model ``name`` at ``size`` for a data set described by ``info``."""
     if name not in MODELS:
-        raise ModelError(f"model={name!r} is unknown; choose one of {', '.join(sorted(MODELS))}")
+        raise unknown("model", name, sorted(MODELS))
     if size not in SIZES:
-        raise ModelError(f"model.size={size!r} is unknown; choose one of {', '.join(SIZES)}")
+        raise unknown("model.size", size, SIZES)
     model = MODELS[name](size, info, **options)
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise ModelError(f"model {name!r} must build a non-empty nn.Sequential of blocks")

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from rayspec.data import DataInfo
+from rayspec.errors import unknown
 from rayspec.models import SIZES, ModelError
 
 T = TypeVar("T")
@@ -19,9 +20,9 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def pick(table: Mapping[str, T], size: str, name: str) -> T:
-    """The entry of a per-size ``table`` for ``size``, or a ``ModelError`` naming the choices."""
+    """The entry of a per-size ``table`` for ``size``, or a ``ConfigError`` naming the choices."""
     if size not in table:
-        raise ModelError(f"model.size={size!r} is unknown for model={name}; choose one of {', '.join(SIZES)}")
+        raise unknown("model.size", size, SIZES, f" for model={name}")
     return table[size]
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rayspec.errors import unknown
 from rayspec.partition.profile import BlockProfile, profile_blocks
 from rayspec.partition.split import PARTITIONS, PartitionError, block_parameters, check_balance, min_max_split, uniform
 
@@ -118,7 +119,7 @@ def choose_partition(
             impossible ``balance`` or more stages than blocks.
     """
     if partition not in PARTITIONS:
-        raise PartitionError(f"pipeline.partition={partition!r} is unknown; choose one of {', '.join(PARTITIONS)}")
+        raise unknown("pipeline.partition", partition, PARTITIONS)
     n = len(model)
     if balance is not None:
         counts, partition = check_balance(balance, n, stages), "balance"

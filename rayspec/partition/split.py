@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rayspec.errors import RayspecError
 from rayspec.partition.profile import profile_blocks
 
 __all__ = ["PartitionError", "PARTITIONS", "uniform", "check_balance", "split", "min_max_split", "block_parameters",
@@ -19,7 +20,7 @@ __all__ = ["PartitionError", "PARTITIONS", "uniform", "check_balance", "split", 
 PARTITIONS = ("uniform", "parameters", "profile")
 
 
-class PartitionError(ValueError):
+class PartitionError(RayspecError):
     """An impossible partition: wrong sum, an empty stage, more stages than blocks."""
 
 

@@ -1,8 +1,11 @@
 """A training run: prepare, the run loop and its restarts, the driver actor, data parallelism on Ray Train,
-checkpoints, progress, traces and loggers. ``train`` is the entry; ``run`` and ``fit`` the Python front doors."""
+checkpoints, progress, traces and loggers. ``train`` is the entry; ``run`` and ``fit`` the Python front doors, which
+return a ``RunSummary`` and call ``Callback`` hooks."""
 
 from rayspec.training.api import fit, run
+from rayspec.training.callbacks import Callback
 from rayspec.training.failures import RunFailed
+from rayspec.training.summary import RunSummary
 from rayspec.training.trainer import train
 
-__all__ = ["train", "run", "fit", "RunFailed"]
+__all__ = ["train", "run", "fit", "RunSummary", "Callback", "RunFailed"]

@@ -1,6 +1,7 @@
 """The Python entry points: ``run`` (a ``Config`` or Hydra overrides, as ``python -m rayspec.train``) and ``fit``
 (blocks and data sets of your own). Both run the same trainer (``rayspec.training.train``): the driver actor,
-checkpoints, restarts, ``metrics.jsonl``, ``summary.json``, ``model.pt`` and the W&B logger of ``logger``."""
+checkpoints, restarts, ``metrics.jsonl``, ``summary.json``, ``model.pt`` and the W&B logger of ``logger``; both
+return the run's ``RunSummary``."""
 
 from __future__ import annotations
 
@@ -14,30 +15,36 @@ from typing import Any
 import torch
 import yaml
 
-from rayspec.config import Config, from_mapping
+from rayspec.config import Config, PipelineConfig, from_mapping
 from rayspec.config.compose import compose
 from rayspec.config.settings import apply_settings
 from rayspec.data import DataBundle
 from rayspec.data.custom import as_dataset
 from rayspec.errors import ConfigError
 from rayspec.models.custom import as_blocks
+from rayspec.training.callbacks import Callbacks
 from rayspec.training.loggers import build_callbacks
+from rayspec.training.summary import RunSummary
 from rayspec.training.trainer import train
 
 __all__ = ["run", "fit", "new_run_dir"]
 
 
 def run(config: Config | Sequence[str] = (), run_dir: str | os.PathLike | None = None, *,
-        echo: Callable[[str], None] = print, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    """Train as ``python -m rayspec.train`` would; returns the run summary.
+        echo: Callable[[str], None] = print, callbacks: Sequence[Any] = ()) -> RunSummary:
+    """Train as ``python -m rayspec.train`` would; returns the run's summary (``summary.json``).
 
     Args:
         config: a ``Config``, or Hydra overrides as on the command line (``["model=vgg16", "optim.lr=0.05"]``;
             ``hydra.searchpath=[file:///abs/dir]`` adds a config directory of your own).
         run_dir: where the run's files go; default ``outputs/DATE/TIME`` under the working directory, as Hydra's.
         echo: prints one console line.
-        callbacks: more trainer callbacks (``rayspec.training.train``), after the logger's.
+        callbacks: more callbacks: objects with any of the hooks of ``rayspec.Callback``, after the logger's.
+
+    Raises:
+        ConfigError: a setting that cannot work, or a callback with a misspelt hook; before anything runs.
     """
+    hooks = Callbacks(callbacks)
     if isinstance(config, (str, bytes)):
         raise ConfigError(f"rayspec.run({config!r}): give a Config or a list of overrides, e.g. [{config!r}]")
     if not isinstance(config, Config):
@@ -45,13 +52,15 @@ def run(config: Config | Sequence[str] = (), run_dir: str | os.PathLike | None =
         config = from_mapping(compose(overrides))
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
     _save_config(config, run_dir)
-    return train(config, run_dir, echo=echo, callbacks=[*build_callbacks(config, run_dir, echo=echo), *callbacks])
+    summary = train(config, run_dir, echo=echo, callbacks=[*build_callbacks(config, run_dir, echo=echo), *hooks])
+    return RunSummary.from_dict(summary)
 
 
 def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "spectrain", stages: int = 4,
         run_dir: str | os.PathLike | None = None, echo: Callable[[str], None] = print,
-        callbacks: Sequence[Any] = (), **settings: Any) -> dict[str, Any]:
-    """Train ``blocks`` on ``train_data`` with ``method`` over ``stages`` pipeline stages; returns the run summary.
+        callbacks: Sequence[Any] = (), **settings: Any) -> RunSummary:
+    """Train ``blocks`` on ``train_data`` with ``method`` over ``stages`` pipeline stages; returns the run's summary
+    (``summary.json``).
 
     The blocks end with the run's final weights (also in ``run_dir/model.pt``). The loss is cross-entropy of the
     last block's logits against integer class labels; ``val_accuracy`` is measured on ``val_data``.
@@ -65,12 +74,17 @@ def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "sp
         stages: pipeline stages (data-parallel workers for ``dataparallel``).
         run_dir: where the run's files go; default ``outputs/DATE/TIME``.
         echo: prints one console line.
-        callbacks: more trainer callbacks (``rayspec.training.train``).
-        settings: any other setting: a field of a config section by its name (``lr=0.05``, ``max_steps=200``,
-            ``batch_size=32``, ``executor="local"``, ``transport="p2p"``, ``every=50`` for checkpoints), a whole
-            section as a mapping (``optim={"lr": 0.05}``), ``seed``, ``trace`` or ``logger`` (``"wandb"`` or a
-            mapping of its keys); ``rayspec.config.settings``.
+        callbacks: more callbacks: objects with any of the hooks of ``rayspec.Callback``.
+        settings: any other setting: a section as a mapping (``optim={"lr": 0.05}``, ``train={"max_steps": 200}``,
+            ``pipeline={"executor": "local"}``), a field of a section by its own name where only one section has
+            it (``lr=0.05``, ``max_steps=200``, ``executor="local"``, ``every=50`` for checkpoints), ``seed``,
+            ``trace`` or ``logger`` (``"wandb"`` or a mapping of its keys); ``rayspec.config.settings``.
+
+    Raises:
+        ConfigError: an unknown or ambiguous setting, a value that cannot work, or a callback with a misspelt
+            hook; before anything runs.
     """
+    hooks = Callbacks(callbacks)
     model = as_blocks(blocks, "rayspec.fit(blocks)")
     train_set = as_dataset(train_data, "rayspec.fit(train_data)")
     val_set = None if val_data is None else as_dataset(val_data, "rayspec.fit(val_data)")
@@ -79,15 +93,15 @@ def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "sp
                "parameters": sum(p.numel() for p in model.parameters())},
         data={"name": type(train_set).__qualname__, "train_size": len(train_set),  # type: ignore[arg-type]
               "val_size": None if val_set is None else len(val_set)},  # type: ignore[arg-type]
+        pipeline=PipelineConfig(method=method, stages=stages),
     )
-    described.pipeline.method, described.pipeline.stages = method, stages
     config = apply_settings(described, settings)
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
     _save_config(config, run_dir)
-    summary = train(config, run_dir, echo=echo, callbacks=[*build_callbacks(config, run_dir, echo=echo), *callbacks],
+    summary = train(config, run_dir, echo=echo, callbacks=[*build_callbacks(config, run_dir, echo=echo), *hooks],
                     model=model, data=DataBundle(train_set, val_set, None))
     model.load_state_dict(torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True))
-    return summary
+    return RunSummary.from_dict(summary)
 
 
 def new_run_dir(root: str | os.PathLike = "outputs") -> Path:

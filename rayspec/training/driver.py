@@ -39,11 +39,11 @@ from rayspec.exec.ray.cluster import (
     stage_resources,
 )
 from rayspec.exec.ray.connect import ensure_ray
+from rayspec.training.callbacks import Callbacks
 from rayspec.training.checkpoint import CheckpointStore, load_checkpoint
 from rayspec.training.failures import Restarts, death
 from rayspec.training.loop import run
 from rayspec.training.prepare import Prepared, profile_sample, replan
-from rayspec.training.progress import notify
 
 __all__ = ["DriverActor", "run_in_driver"]
 
@@ -212,11 +212,11 @@ def _relay(event: tuple, echo: Callable[[str], None], callbacks: Sequence[Any], 
         echo(event[1])
     elif kind == "metrics":
         seen = max(seen, int(event[1].get("step", 0)))
-        notify(callbacks, "on_metrics", event[1])
+        Callbacks.of(callbacks).on_metrics(event[1])
     elif kind == "weights":
-        notify(callbacks, "on_weights", event[1], event[2])
+        Callbacks.of(callbacks).on_weights(event[1], event[2])
     elif kind == "restart":
         index, record = event[1], event[2]
         restarts[index:index + 1] = [record]
-        notify(callbacks, "on_restart", index, record)
+        Callbacks.of(callbacks).on_restart(index, record)
     return seen

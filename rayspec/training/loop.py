@@ -17,10 +17,11 @@ from rayspec.core.schedule import build_schedule
 from rayspec.core.stage import Stage
 from rayspec.data.loader import train_batches
 from rayspec.exec import Executor, LocalExecutor
+from rayspec.training.callbacks import Callbacks
 from rayspec.training.checkpoint import CheckpointStore, payload
 from rayspec.training.failures import Restarts, StageDied, reraise
 from rayspec.training.prepare import Prepared, build_stages, split_batches
-from rayspec.training.progress import Progress, keep_metrics, notify
+from rayspec.training.progress import Progress, keep_metrics
 from rayspec.training.report import evaluate, report_stages, write_summary
 from rayspec.training.resplit import resumed_states
 from rayspec.training.trace import bubble_fraction, write_chrome_trace, write_gantt
@@ -119,7 +120,7 @@ def _run_segments(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
         try:
             if restarts and "recovery_s" not in restarts[-1]:
                 restarts[-1]["recovery_s"] = time.time() - restarts[-1]["failed_at"]
-                notify(callbacks, "on_restart", len(restarts) - 1, dict(restarts[-1]))
+                Callbacks.of(callbacks).on_restart(len(restarts) - 1, dict(restarts[-1]))
             progress = Progress(c, metrics, echo, callbacks)
             progress.updates, progress.t0 = done, time.perf_counter() - run_s
             if scoring and done:  # resumed: windows count from here, as they would have without the restart
@@ -135,7 +136,7 @@ def _run_segments(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
                     done += updates
                     if prepared.data.val is not None and (done == end or (c.train.eval_every and done % c.train.eval_every == 0)):
                         weights = executor.state_dict()
-                        notify(callbacks, "on_weights", done, weights)
+                        Callbacks.of(callbacks).on_weights(done, weights)
                         evals = evaluate(prepared.model, weights, prepared.data.val, c.train.eval_batch_size)
                         scored = {}
                         if scoring:

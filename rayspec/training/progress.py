@@ -9,18 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from rayspec.config import Config
+from rayspec.training.callbacks import Callbacks
 from rayspec.training.prepare import lr_schedule
 
-__all__ = ["Progress", "notify", "duration", "keep_metrics"]
-
-
-def notify(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
-    """Call ``hook`` on every callback that has it (callbacks implement any of ``on_start``, ``on_metrics``,
-    ``on_weights``, ``on_restart``, ``on_end``; ``rayspec.training.trainer.train``)."""
-    for cb in callbacks:
-        fn = getattr(cb, hook, None)
-        if fn is not None:
-            fn(*args)
+__all__ = ["Progress", "duration", "keep_metrics"]
 
 
 def duration(seconds: float) -> str:
@@ -41,7 +33,7 @@ class Progress:
     """
 
     def __init__(self, config: Config, metrics: Any, echo: Callable[[str], None], callbacks: Sequence[Any] = ()) -> None:
-        self.c, self.metrics, self.echo, self.callbacks = config, metrics, echo, list(callbacks)
+        self.c, self.metrics, self.echo, self.callbacks = config, metrics, echo, Callbacks.of(callbacks)
         self.group = config.pipeline.group
         self.lr = lr_schedule(config)
         self.t0 = time.perf_counter()
@@ -82,7 +74,7 @@ class Progress:
         """One record into ``metrics.jsonl`` and to the callbacks."""
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
-        notify(self.callbacks, "on_metrics", rec)
+        self.callbacks.on_metrics(rec)
 
 
 def keep_metrics(path: Path, step: int) -> None:

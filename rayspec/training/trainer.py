@@ -12,9 +12,9 @@ from torch import nn
 from rayspec.config import Config
 from rayspec.core.methods import METHODS
 from rayspec.data import DataBundle
+from rayspec.training.callbacks import Callbacks
 from rayspec.training.loggers import with_wandb_id
 from rayspec.training.prepare import prepare
-from rayspec.training.progress import notify
 from rayspec.training.report import model_size
 
 __all__ = ["train"]
@@ -36,15 +36,9 @@ def train(
         config: a validated ``Config``.
         run_dir: where the run's files go (created).
         echo: prints one console line.
-        callbacks: objects with any of ``on_resume(step, checkpoint_path)`` (before ``on_start`` when the run
-            resumes from a checkpoint), ``on_start(config)`` (the config as run: with ``logger.id`` set for W&B),
-            ``on_metrics(record)`` (every record written
-            to ``metrics.jsonl``: per-step ``loss`` records and per-evaluation ``val_*`` records) and
-            ``on_end(summary)``; ``on_end`` is also called, with ``None``, when training fails. Pipeline methods
-            also call ``on_weights(step, state_dict)`` at every evaluation with the merged weights evaluated,
-            and ``on_restart(index, record)`` when a restart after a failure is done (the record is
-            ``summary.json``'s ``restarts[index]``). With ``pipeline.executor=ray`` the run loop runs in a
-            driver actor and callbacks run here, on what it streams back (``rayspec.training.driver``).
+        callbacks: objects with any of the hooks of ``rayspec.training.callbacks.Callback`` (``on_resume``,
+            ``on_start``, ``on_metrics``, ``on_weights``, ``on_restart``, ``on_end``); checked first: a public
+            ``on_*`` method that is no hook raises ``ConfigError``.
         placement_group: a Ray placement group to create the stage actors in (a Tune trial's), stage ``k``
             in bundle ``bundle_offset + k``; by default the Ray executor creates its own.
         bundle_offset: the first stage bundle in ``placement_group``.
@@ -54,6 +48,7 @@ def train(
     Returns:
         The run summary (also written to ``summary.json``).
     """
+    callbacks = Callbacks.of(callbacks)  # checked before anything runs: a misspelt hook is an error
     prepared = prepare(config, run_dir, model, data)
     config = prepared.config = with_wandb_id(config, prepared.resume)  # [Note: W&B resume]
     run_dir = Path(run_dir)
@@ -74,11 +69,11 @@ def train(
              "clips its gradient by its own norm (vanilla and gpipe clip by the norm over all stages)")
     if prepared.resume is not None:
         echo(f"resuming from {prepared.resume_path} (update {prepared.resume['step']})")
-        notify(callbacks, "on_resume", prepared.resume["step"], prepared.resume_path)
+        callbacks.on_resume(prepared.resume["step"], prepared.resume_path)
         if METHODS[p.method].pipelined and list(prepared.resume["balance"]) != prepared.balance:
             echo(f"re-splitting its partition {list(prepared.resume['balance'])} onto {prepared.balance}: weights and "
                  "optimizer state by parameter name; new random streams, stage counters and prediction probes")
-    notify(callbacks, "on_start", config)
+    callbacks.on_start(config)
     try:
         if not METHODS[p.method].pipelined:  # whole-model replicas on Ray Train (rayspec.training.dataparallel)
             from rayspec.training.dataparallel import run_dataparallel
@@ -93,7 +88,7 @@ def train(
 
             summary = run(prepared, run_dir, echo, callbacks, placement_group, bundle_offset)
     except BaseException:
-        notify(callbacks, "on_end", None)
+        callbacks.on_end(None)
         raise
-    notify(callbacks, "on_end", summary)
+    callbacks.on_end(summary)
     return summary
