@@ -38,7 +38,7 @@ def test_fit_trains_the_blocks_in_place_and_writes_a_run(tmp_path):
     net = blocks()
     before = copy.deepcopy(nn.Sequential(*net).state_dict())
     summary = rayspec.fit(net, data(256, 0), data(64, 1), method="pipedream", stages=3, run_dir=tmp_path,
-                          executor="local", echo=lambda _: None, **SETTINGS)
+                          executor="local", **SETTINGS)
     assert (summary["method"], summary["stages"], summary["updates"], summary["model"]) == ("pipedream", 3, 12, "blocks")
     assert summary["val_accuracy"] is not None and summary["balance"] == [1, 1, 1]
     after = nn.Sequential(*net).state_dict()
@@ -50,7 +50,7 @@ def test_fit_trains_the_blocks_in_place_and_writes_a_run(tmp_path):
     config = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())
     assert config["optim"]["lr"] == 0.1 and config["model"]["blocks"] == 3
     again = rayspec.fit(nn.Sequential(*blocks()), data(256, 0), data(64, 1), method="pipedream", stages=3,
-                        run_dir=tmp_path / "again", executor="local", echo=lambda _: None,
+                        run_dir=tmp_path / "again", executor="local",
                         train={"max_steps": 12, "batch_size": 16, "log_every": 4, "eval_every": 6}, optim={"lr": 0.1})
     assert again["final_train_loss"] == summary["final_train_loss"]  # sections as mappings: the same run
 
@@ -60,7 +60,7 @@ def test_fit_on_ray_equals_fit_in_one_process(tmp_path, ray_session):
     nets = {executor: blocks() for executor in ("local", "ray")}
     for executor, net in nets.items():
         rayspec.fit(net, data(128, 0), data(32, 1), stages=2, run_dir=tmp_path / executor, executor=executor,
-                    cpus_per_stage=0.5, echo=lambda _: None, max_steps=6, batch_size=16, lr=0.1, log_every=3)
+                    cpus_per_stage=0.5, max_steps=6, batch_size=16, lr=0.1, log_every=3)
     local, ray = (nn.Sequential(*nets[e]).state_dict() for e in ("local", "ray"))
     assert all(torch.equal(local[k], ray[k]) for k in local)
 
@@ -82,14 +82,13 @@ def test_every_field_name_belongs_to_one_section():
 
 
 def test_run_takes_overrides_or_a_config(tmp_path):
-    summary = rayspec.run(["debug=smoke", "pipeline.executor=local", "pipeline.stages=2"], tmp_path / "a",
-                          echo=lambda _: None)
+    summary = rayspec.run(["debug=smoke", "pipeline.executor=local", "pipeline.stages=2"], tmp_path / "a")
     assert (summary["stages"], summary["updates"], summary["model_size"]) == (2, 4, "tiny")
     assert (tmp_path / "a" / ".hydra" / "config.yaml").exists()
     config = Config()
     config.pipeline.executor, config.pipeline.stages, config.train.max_steps = "local", 2, 3
     config.train.train_samples, config.train.log_every = 256, 3
-    assert rayspec.run(config, tmp_path / "b", echo=lambda _: None)["updates"] == 3
+    assert rayspec.run(config, tmp_path / "b")["updates"] == 3
     with pytest.raises(ConfigError, match=r"give a Config or a list of overrides, e\.g\. \['debug=smoke'\]"):
         rayspec.run("debug=smoke", tmp_path / "c")
 

@@ -1,5 +1,5 @@
 """The Python entry points: ``run`` (a ``Config`` or Hydra overrides, as ``python -m rayspec.train``) and ``fit``
-(blocks and data sets of your own). Both run the same trainer (``rayspec.training.train``): the driver actor,
+(blocks and data sets of your own). Both run the same trainer (``rayspec.training.run_training``): the driver actor,
 checkpoints, restarts, ``metrics.jsonl``, ``summary.json``, ``model.pt`` and the W&B logger of ``logger``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +21,24 @@ from rayspec.data import DataBundle
 from rayspec.data.custom import as_dataset
 from rayspec.errors import ConfigError
 from rayspec.models.custom import as_blocks
+from rayspec.training.console import ensure_console
 from rayspec.training.loggers import build_callbacks
-from rayspec.training.trainer import train
+from rayspec.training.runner import run_training
 
 __all__ = ["run", "fit", "new_run_dir"]
 
 
 def run(config: Config | Sequence[str] = (), run_dir: str | os.PathLike | None = None, *,
-        echo: Callable[[str], None] = print, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+        callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train as ``python -m rayspec.train`` would; returns the run summary.
 
     Args:
         config: a ``Config``, or Hydra overrides as on the command line (``["model=vgg16", "optim.lr=0.05"]``;
             ``hydra.searchpath=[file:///abs/dir]`` adds a config directory of your own).
         run_dir: where the run's files go; default ``outputs/DATE/TIME`` under the working directory, as Hydra's.
-        echo: prints one console line.
-        callbacks: more trainer callbacks (``rayspec.training.train``), after the logger's.
+        callbacks: more trainer callbacks (``rayspec.training.run_training``), after the logger's.
+
+    The run's lines go to the ``rayspec`` loggers; to stdout unless logging is set up (``rayspec.training.console``).
     """
     if isinstance(config, (str, bytes)):
         raise ConfigError(f"rayspec.run({config!r}): give a Config or a list of overrides, e.g. [{config!r}]")
@@ -45,12 +47,12 @@ def run(config: Config | Sequence[str] = (), run_dir: str | os.PathLike | None =
         config = from_mapping(compose(overrides))
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
     _save_config(config, run_dir)
-    return train(config, run_dir, echo=echo, callbacks=[*build_callbacks(config, run_dir, echo=echo), *callbacks])
+    ensure_console()
+    return run_training(config, run_dir, callbacks=[*build_callbacks(config, run_dir), *callbacks])
 
 
 def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "spectrain", stages: int = 4,
-        run_dir: str | os.PathLike | None = None, echo: Callable[[str], None] = print,
-        callbacks: Sequence[Any] = (), **settings: Any) -> dict[str, Any]:
+        run_dir: str | os.PathLike | None = None, callbacks: Sequence[Any] = (), **settings: Any) -> dict[str, Any]:
     """Train ``blocks`` on ``train_data`` with ``method`` over ``stages`` pipeline stages; returns the run summary.
 
     The blocks end with the run's final weights (also in ``run_dir/model.pt``). The loss is cross-entropy of the
@@ -64,8 +66,7 @@ def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "sp
         method: ``spectrain``, ``pipedream``, ``gpipe``, ``async``, ``vanilla`` or ``dataparallel``.
         stages: pipeline stages (data-parallel workers for ``dataparallel``).
         run_dir: where the run's files go; default ``outputs/DATE/TIME``.
-        echo: prints one console line.
-        callbacks: more trainer callbacks (``rayspec.training.train``).
+        callbacks: more trainer callbacks (``rayspec.training.run_training``).
         settings: any other setting: a field of a config section by its name (``lr=0.05``, ``max_steps=200``,
             ``batch_size=32``, ``executor="local"``, ``transport="p2p"``, ``every=50`` for checkpoints), a whole
             section as a mapping (``optim={"lr": 0.05}``), ``seed``, ``trace`` or ``logger`` (``"wandb"`` or a
@@ -84,8 +85,9 @@ def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "sp
     config = apply_settings(described, settings)
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
     _save_config(config, run_dir)
-    summary = train(config, run_dir, echo=echo, callbacks=[*build_callbacks(config, run_dir, echo=echo), *callbacks],
-                    model=model, data=DataBundle(train_set, val_set, None))
+    ensure_console()
+    summary = run_training(config, run_dir, callbacks=[*build_callbacks(config, run_dir), *callbacks], model=model,
+                           data=DataBundle(train_set, val_set, None))
     model.load_state_dict(torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True))
     return summary
 

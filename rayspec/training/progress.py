@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,12 @@ from rayspec.training.prepare import lr_schedule
 
 __all__ = ["Progress", "notify", "duration", "keep_metrics"]
 
+log = logging.getLogger(__name__)
+
 
 def notify(callbacks: Sequence[Any], hook: str, *args: Any) -> None:
     """Call ``hook`` on every callback that has it (callbacks implement any of ``on_start``, ``on_metrics``,
-    ``on_weights``, ``on_restart``, ``on_end``; ``rayspec.training.trainer.train``)."""
+    ``on_weights``, ``on_restart``, ``on_end``; ``rayspec.training.runner.run_training``)."""
     for cb in callbacks:
         fn = getattr(cb, hook, None)
         if fn is not None:
@@ -31,17 +34,16 @@ def duration(seconds: float) -> str:
 
 
 class Progress:
-    """Turns per-micro-batch losses into per-update records, console lines and ``metrics.jsonl``.
+    """Turns per-micro-batch losses into per-update records, logged progress lines and ``metrics.jsonl``.
 
     Args:
         config: the run's settings.
         metrics: the open ``metrics.jsonl``.
-        echo: prints one console line.
         callbacks: get every record (``on_metrics``).
     """
 
-    def __init__(self, config: Config, metrics: Any, echo: Callable[[str], None], callbacks: Sequence[Any] = ()) -> None:
-        self.c, self.metrics, self.echo, self.callbacks = config, metrics, echo, list(callbacks)
+    def __init__(self, config: Config, metrics: Any, callbacks: Sequence[Any] = ()) -> None:
+        self.c, self.metrics, self.callbacks = config, metrics, list(callbacks)
         self.group = config.pipeline.group
         self.lr = lr_schedule(config)
         self.t0 = time.perf_counter()
@@ -62,7 +64,7 @@ class Progress:
             self.flush()
 
     def flush(self) -> None:
-        """Write the record of the updates since the last one, and its console line."""
+        """Write the record of the updates since the last one, and log its progress line."""
         if not self.window:
             return
         elapsed = time.perf_counter() - self.t0
@@ -74,8 +76,8 @@ class Progress:
         self.write(rec)
         total = self.c.train.max_steps
         filled = int(20 * self.updates / total)
-        self.echo(f"step {self.updates:>6}/{total} [{'#' * filled}{'.' * (20 - filled)}] {self.updates / total:4.0%}  "
-                  f"loss {self.last_loss:.4f}  {rate:8.1f} samples/s  eta {duration(eta)}")
+        log.info("step %6d/%d [%s] %3.0f%%  loss %.4f  %8.1f samples/s  eta %s", self.updates, total,
+                 "#" * filled + "." * (20 - filled), self.updates / total * 100, self.last_loss, rate, duration(eta))
         self.window = []
 
     def write(self, rec: dict) -> None:
