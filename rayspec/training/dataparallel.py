@@ -4,7 +4,7 @@ Everything a user compares is shared with the pipeline methods: the model (``Pre
 blocks as one ``nn.Sequential``), the batches (``train_batches(data.train, batch_size, seed)``; worker
 ``r`` of ``N`` takes the ``r``-th contiguous chunk of every global batch, as gpipe cuts micro-batches),
 the optimizer (each worker runs its replica as a one-stage ``Stage`` with policy ``none``, so the update
-is ``Stage.step``: the same optimizer, ``LRSchedule``, clipping and precision as the pipeline's), and the run directory (``metrics.jsonl``, ``summary.json``, ``model.pt``). DDP averages the
+is ``Stage.step``; the worker is ``rayspec.training.replica``: the same optimizer, ``LRSchedule``, clipping and precision as the pipeline's), and the run directory (``metrics.jsonl``, ``summary.json``, ``model.pt``). DDP averages the
 replicas' gradients, and the mean of ``N`` equal chunks' mean losses is the global batch's mean loss,
 so N workers follow SGD on the global batch up to floating-point rounding. ``pipeline.stages`` is
 ``N``; ``pipeline.cpus_per_stage`` / ``gpus_per_stage`` are per worker (the pipeline's defaults);
