@@ -14,6 +14,7 @@ from rayspec.config.compose import CONF
 
 __all__ = ["main"]
 
+
 @hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
 def main(cfg: DictConfig) -> None:
     from rayspec.training import RunFailed, run_training
