@@ -212,7 +212,7 @@ def dp_counted(updates: int = 3) -> dict[str, Any]:
     """Train a tiny MLP with 2 data-parallel Ray Train workers; return its all-reduce counters against ``P * 4``."""
     from rayspec.config import from_mapping
     from rayspec.config.compose import compose
-    from rayspec.training import train
+    from rayspec.training import run_training
     from rayspec.training.prepare import prepare
 
     overrides = ["pipeline.method=dataparallel", "model=mlp", "model.size=tiny", "pipeline.stages=2",
@@ -221,7 +221,7 @@ def dp_counted(updates: int = 3) -> dict[str, Any]:
     config = from_mapping(compose(overrides))
     expected = parameter_bytes(prepare(config).model)
     with tempfile.TemporaryDirectory() as run_dir:
-        summary = train(config, run_dir, echo=lambda _: None)
+        summary = run_training(config, run_dir)
     per_worker = [st["sent_bytes"]["allreduce"] / updates for st in summary["stage_stats"]]
     if summary["bytes_per_update"] != expected or any(b != expected for b in per_worker):
         raise AssertionError(f"dataparallel counted {summary['bytes_per_update']} bytes per update "

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks._common import start_ray, table, write
 from rayspec.config import from_mapping
-from rayspec.training import train
+from rayspec.training import run_training
 from rayspec.training.loop import run
 from rayspec.training.prepare import prepare
 
@@ -60,7 +60,7 @@ def main() -> None:
                     run_dir = Path(tmp) / f"{method}-{where}-{r}"
                     t0 = time.perf_counter()
                     if where == "actor":
-                        summary = train(config, run_dir, echo=lambda _: None)
+                        summary = run_training(config, run_dir)
                     else:
                         summary = in_process(config, run_dir)
                     runs.setdefault((method, where), []).append((summary["samples_per_s"], time.perf_counter() - t0))

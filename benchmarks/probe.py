@@ -20,7 +20,7 @@ import torch
 from benchmarks._common import table, write
 from rayspec.config import from_mapping
 from rayspec.config.compose import compose
-from rayspec.training import train
+from rayspec.training import run_training
 
 WORKLOADS = {
     "residual_lstm tiny": ["+experiment=lstm_imdb", "data=synthetic_text", "data.seq_len=32", "model.size=tiny",
@@ -36,7 +36,7 @@ def one_run(overrides: list[str], probe: int, steps: int) -> float:
                    f"train.log_every={steps}"])
     with tempfile.TemporaryDirectory() as run_dir:
         t0 = time.perf_counter()
-        train(from_mapping(cfg), run_dir, echo=lambda _: None)
+        run_training(from_mapping(cfg), run_dir)
         return time.perf_counter() - t0
 
 

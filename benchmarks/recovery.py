@@ -26,7 +26,7 @@ import torch
 
 from benchmarks._common import KillActor, start_ray, table, write
 from rayspec.config import from_mapping
-from rayspec.training import train
+from rayspec.training import run_training
 
 
 def settings(steps: int, every: int, size: str, restarts: int = 0, transport: str = "auto") -> dict:
@@ -54,11 +54,10 @@ def main() -> None:
     steps, size = (30, "tiny") if args.quick else (args.steps, "small")
     kill_at = min(args.kill_at, steps - 2)
     start_ray(2)
-    quiet = {"echo": lambda _: None}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        plain = train(from_mapping(settings(steps, 0, size, transport=args.transport)), root / "plain", **quiet)
-        ckpt = train(from_mapping(settings(steps, args.every, size, transport=args.transport)), root / "ckpt", **quiet)
+        plain = run_training(from_mapping(settings(steps, 0, size, transport=args.transport)), root / "plain")
+        ckpt = run_training(from_mapping(settings(steps, args.every, size, transport=args.transport)), root / "ckpt")
         a = torch.load(root / "ckpt" / "model.pt", weights_only=True)
         result: dict = {"model": f"mlp/{size}", "stages": 4, "transport": args.transport, "updates": steps, "checkpoint_every": args.every,
                         "kill_at": kill_at, "wall_s": {"plain": plain["wall_s"], "checkpoints": ckpt["wall_s"]},
@@ -66,8 +65,8 @@ def main() -> None:
         for victim, title in (("stage", "StageActor"), ("driver", "DriverActor")):
             killer = KillActor(kill_at, title)
             t0 = time.perf_counter()
-            killed = train(from_mapping(settings(steps, args.every, size, restarts=1, transport=args.transport)), root / f"killed-{victim}",
-                           callbacks=[killer], **quiet)
+            killed = run_training(from_mapping(settings(steps, args.every, size, restarts=1, transport=args.transport)), root / f"killed-{victim}",
+                           callbacks=[killer])
             wall = time.perf_counter() - t0
             b = torch.load(root / f"killed-{victim}" / "model.pt", weights_only=True)
             (restart,) = killed["restarts"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging.handlers
 import math
 import tempfile
 import time
@@ -75,17 +76,19 @@ def steady_rate(run_dir: Path, batch: int) -> float | None:
 
 def run_trial(overrides: Sequence[str]) -> dict[str, Any]:
     """Train one trial into a temporary run directory; its throughput figures, or its error."""
-    from rayspec.training import train
+    from rayspec.training import run_training
+    from rayspec.training.console import relayed_to
 
-    lines: list[str] = []
+    lines = logging.handlers.BufferingHandler(capacity=1 << 20)  # the trial's log lines, for an error's tail
     t0 = time.perf_counter()
     try:
         config = from_mapping(compose_config(overrides))
-        with tempfile.TemporaryDirectory() as run_dir:
-            summary = train(config, run_dir, echo=lines.append)
+        with tempfile.TemporaryDirectory() as run_dir, relayed_to(lines):
+            summary = run_training(config, run_dir)
             steady = steady_rate(Path(run_dir), config.train.batch_size)
     except Exception as err:  # one failed trial must not end the benchmark
-        return {"error": f"{type(err).__name__}: {err}", "log_tail": lines[-5:], "wall_s": time.perf_counter() - t0}
+        tail = [lines.format(record) for record in lines.buffer[-5:]]
+        return {"error": f"{type(err).__name__}: {err}", "log_tail": tail, "wall_s": time.perf_counter() - t0}
     return {"samples_per_s": summary["samples_per_s"], "steady_samples_per_s": steady,
             "final_train_loss": summary["final_train_loss"], "bytes_per_update": summary.get("bytes_per_update"),
             "bubble_fraction": summary.get("bubble_fraction"), "wall_s": time.perf_counter() - t0}

@@ -22,7 +22,7 @@ from ray.cluster_utils import Cluster
 
 from rayspec.config import from_mapping
 from rayspec.config.compose import compose
-from rayspec.training import train
+from rayspec.training import run_training
 
 # Cluster records its address in the machine's default Ray directory (/tmp/ray), where any plain
 # ray.init() on the machine would find and join it; this cluster is private to the script.
@@ -48,7 +48,7 @@ def main(out_dir: Path, temp: str) -> None:
         for name, extra in (("spread", ["pipeline.placement=spread"]), ("pack", ["pipeline.placement=pack"]),
                             ("local", ["pipeline.executor=local"])):
             config = from_mapping(compose(OVERRIDES + extra))
-            summary = train(config, out_dir / name, echo=lambda line: None)
+            summary = run_training(config, out_dir / name)
             losses[name] = summary["final_train_loss"]
             if "stage_nodes" in summary:  # the Ray executor
                 placed[name], drivers[name] = summary["stage_nodes"], summary["driver_node"]

@@ -39,7 +39,7 @@ def test_fit_trains_the_blocks_in_place_and_writes_a_run(tmp_path):
     net = blocks()
     before = copy.deepcopy(nn.Sequential(*net).state_dict())
     summary = rayspec.fit(net, data(256, 0), data(64, 1), method="pipedream", stages=3, run_dir=tmp_path,
-                          executor="local", echo=lambda _: None, **SETTINGS)
+                          executor="local", **SETTINGS)
     assert (summary.method, summary.stages, summary.updates, summary.model) == ("pipedream", 3, 12, "blocks")
     assert summary.val_accuracy is not None and summary.balance == [1, 1, 1]
     assert summary.to_dict() == json.loads((tmp_path / "summary.json").read_text())  # key for key, in order
@@ -54,7 +54,7 @@ def test_fit_trains_the_blocks_in_place_and_writes_a_run(tmp_path):
     config = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())
     assert config["optim"]["lr"] == 0.1 and config["model"]["blocks"] == 3
     again = rayspec.fit(nn.Sequential(*blocks()), data(256, 0), data(64, 1), method="pipedream", stages=3,
-                        run_dir=tmp_path / "again", executor="local", echo=lambda _: None,
+                        run_dir=tmp_path / "again", executor="local",
                         train={"max_steps": 12, "batch_size": 16, "log_every": 4, "eval_every": 6}, optim={"lr": 0.1})
     assert again.final_train_loss == summary.final_train_loss  # sections as mappings: the same run
 
@@ -64,7 +64,7 @@ def test_fit_on_ray_equals_fit_in_one_process(tmp_path, ray_session):
     nets = {executor: blocks() for executor in ("local", "ray")}
     for executor, net in nets.items():
         rayspec.fit(net, data(128, 0), data(32, 1), stages=2, run_dir=tmp_path / executor, executor=executor,
-                    cpus_per_stage=0.5, echo=lambda _: None, max_steps=6, batch_size=16, lr=0.1, log_every=3)
+                    cpus_per_stage=0.5, max_steps=6, batch_size=16, lr=0.1, log_every=3)
     local, ray = (nn.Sequential(*nets[e]).state_dict() for e in ("local", "ray"))
     assert all(torch.equal(local[k], ray[k]) for k in local)
 
@@ -81,10 +81,10 @@ def test_fit_names_what_does_not_fit(tmp_path):
 
 
 def test_fit_takes_nested_settings_and_flat_ones_where_unambiguous(tmp_path, monkeypatch):
-    nested = rayspec.fit(blocks(), data(128, 0), run_dir=tmp_path / "nested", echo=lambda _: None,
+    nested = rayspec.fit(blocks(), data(128, 0), run_dir=tmp_path / "nested",
                          pipeline={"stages": 2, "executor": "local"}, optim={"lr": 0.1, "momentum": 0.5},
                          train={"max_steps": 4, "batch_size": 16, "log_every": 2})
-    flat = rayspec.fit(blocks(), data(128, 0), run_dir=tmp_path / "flat", echo=lambda _: None, stages=2,
+    flat = rayspec.fit(blocks(), data(128, 0), run_dir=tmp_path / "flat", stages=2,
                        executor="local", lr=0.1, momentum=0.5, max_steps=4, batch_size=16, log_every=2)
     assert nested.config == flat.config and nested.final_train_loss == flat.final_train_loss
     assert (nested.stages, nested.config["optim"]["momentum"]) == (2, 0.5)
@@ -119,15 +119,14 @@ def test_a_section_refuses_a_misspelt_attribute_and_checks_itself_where_it_is_ma
 
 
 def test_run_takes_overrides_or_a_config(tmp_path):
-    summary = rayspec.run(["debug=smoke", "pipeline.executor=local", "pipeline.stages=2"], tmp_path / "a",
-                          echo=lambda _: None)
+    summary = rayspec.run(["debug=smoke", "pipeline.executor=local", "pipeline.stages=2"], tmp_path / "a")
     assert (summary.stages, summary.updates, summary.model_size) == (2, 4, "tiny")
     assert summary.to_dict() == json.loads((tmp_path / "a" / "summary.json").read_text())
     assert (tmp_path / "a" / ".hydra" / "config.yaml").exists()
     config = Config()
     config.pipeline.executor, config.pipeline.stages, config.train.max_steps = "local", 2, 3
     config.train.train_samples, config.train.log_every = 256, 3
-    assert rayspec.run(config, tmp_path / "b", echo=lambda _: None).updates == 3
+    assert rayspec.run(config, tmp_path / "b").updates == 3
     with pytest.raises(ConfigError, match=r"give a Config or a list of overrides, e\.g\. \['debug=smoke'\]"):
         rayspec.run("debug=smoke", tmp_path / "c")
 

@@ -88,5 +88,5 @@ def test_a_run_calls_the_hooks_in_order(tmp_path):
     x = torch.randn(64, 6, generator=torch.Generator().manual_seed(0))
     data = (x, (x[:, 0] > 0).long())
     rayspec.fit([torch.nn.Linear(6, 8), torch.nn.Linear(8, 2)], data, data, stages=2, run_dir=tmp_path,
-                executor="local", callbacks=[recorder], echo=lambda _: None, max_steps=4, batch_size=16, log_every=2)
+                executor="local", callbacks=[recorder], max_steps=4, batch_size=16, log_every=2)
     assert recorder.calls == ["start", "loss", "loss", "weights 4", "val", "end"]

@@ -14,10 +14,8 @@ from conftest import Stop, StopAfter
 
 from rayspec.config import ConfigError, from_mapping
 from rayspec.core.stage import Stage
-from rayspec.training import train
+from rayspec.training import run_training
 from rayspec.training.checkpoint import CheckpointStore, load_checkpoint
-
-QUIET = {"echo": lambda _: None}
 
 
 def settings(method: str, variant: str = "paper", executor: str = "local", predictor: str = "linear",
@@ -42,13 +40,13 @@ def steps_and_values(run_dir: Path) -> list[tuple]:
 
 def interrupted_then_resumed(cfg: dict, tmp_path: Path, stop_at: int = 7, resume_executor: str | None = None) -> dict:
     with pytest.raises(Stop):
-        train(from_mapping(cfg), tmp_path / "b", callbacks=[StopAfter(stop_at)], **QUIET)
+        run_training(from_mapping(cfg), tmp_path / "b", callbacks=[StopAfter(stop_at)])
     assert not (tmp_path / "b" / "summary.json").exists()
     resumed = json.loads(json.dumps(cfg))
     resumed["checkpoint"]["resume"] = "auto"
     if resume_executor:
         resumed["pipeline"]["executor"] = resume_executor
-    return train(from_mapping(resumed), tmp_path / "b", **QUIET)
+    return run_training(from_mapping(resumed), tmp_path / "b")
 
 
 @pytest.mark.parametrize("method,variant,predictor", [
@@ -70,7 +68,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, method, variant, predict
         cfg["train"]["precision"] = "bf16"
     accumulate = [o.split("=")[1] for o in options if o.startswith("accumulate=")]
     cfg["pipeline"]["accumulate"] = int(accumulate[0]) if accumulate else 1
-    full = train(from_mapping(cfg), tmp_path / "a", **QUIET)
+    full = run_training(from_mapping(cfg), tmp_path / "a")
     resumed = interrupted_then_resumed(cfg, tmp_path)
     assert resumed["resumed_from"] == 5 and full["resumed_from"] is None
     a = torch.load(tmp_path / "a" / "model.pt", weights_only=True)
@@ -90,9 +88,9 @@ def test_resume_depends_on_the_saved_optimizer_state(tmp_path):
     """The control: resuming from a checkpoint with its momentum zeroed ends elsewhere, so the equality above is
     not the result of restarting from scratch or of ignoring the saved state."""
     cfg = settings("spectrain")
-    train(from_mapping(cfg), tmp_path / "a", **QUIET)
+    run_training(from_mapping(cfg), tmp_path / "a")
     with pytest.raises(Stop):
-        train(from_mapping(cfg), tmp_path / "b", callbacks=[StopAfter(7)], **QUIET)
+        run_training(from_mapping(cfg), tmp_path / "b", callbacks=[StopAfter(7)])
     path = CheckpointStore(tmp_path / "b" / "checkpoints").latest()
     state = load_checkpoint(path)
     buffers = [b["momentum_buffer"] for st in state["stages"] for b in st["optimizer"]["state"].values()]
@@ -101,7 +99,7 @@ def test_resume_depends_on_the_saved_optimizer_state(tmp_path):
         b.zero_()
     torch.save(state, path)
     cfg["checkpoint"]["resume"] = str(path)
-    train(from_mapping(cfg), tmp_path / "c", **QUIET)
+    run_training(from_mapping(cfg), tmp_path / "c")
     a = torch.load(tmp_path / "a" / "model.pt", weights_only=True)
     c = torch.load(tmp_path / "c" / "model.pt", weights_only=True)
     assert max((a[k] - c[k]).abs().max().item() for k in a) > 1e-4
@@ -112,7 +110,7 @@ def test_a_ray_checkpoint_resumes_on_either_executor(tmp_path, ray_session):
     local executors compute the same numbers; the checkpoint does not depend on where the stages ran)."""
     cfg = settings("spectrain", executor="ray")
     local = settings("spectrain")
-    train(from_mapping(local), tmp_path / "a", **QUIET)
+    run_training(from_mapping(local), tmp_path / "a")
     interrupted_then_resumed(cfg, tmp_path, resume_executor="local")
     a = torch.load(tmp_path / "a" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "b" / "model.pt", weights_only=True)
@@ -123,7 +121,7 @@ def test_a_ray_checkpoint_resumes_on_either_executor(tmp_path, ray_session):
 def test_resume_refuses_a_different_run(tmp_path):
     """Settings the state depends on are refused; the layout may change (tests/test_resplit.py)."""
     cfg = settings("spectrain")
-    train(from_mapping(cfg), tmp_path / "a", **QUIET)
+    run_training(from_mapping(cfg), tmp_path / "a")
     for section, key, value, message in [
         ("pipeline", "method", "pipedream", "pipeline.method='spectrain' but this run has pipeline.method='pipedream'"),
         ("optim", "momentum", 0.5, "optim.momentum=0.9 but this run has optim.momentum=0.5"),
@@ -135,18 +133,18 @@ def test_resume_refuses_a_different_run(tmp_path):
         other[section][key] = value
         other["checkpoint"]["resume"] = str(tmp_path / "a")
         with pytest.raises(ConfigError) as info:
-            train(from_mapping(other), tmp_path / "x", **QUIET)
+            run_training(from_mapping(other), tmp_path / "x")
         assert message in str(info.value)
     with pytest.raises(ConfigError, match="already holds checkpoints of an earlier run"):  # never mixed or overwritten
-        train(from_mapping(cfg), tmp_path / "a", **QUIET)
+        run_training(from_mapping(cfg), tmp_path / "a")
     longer = json.loads(json.dumps(cfg))  # max_steps may grow: train on from the final checkpoint
     longer["train"]["max_steps"] = 16
     longer["checkpoint"]["resume"] = str(tmp_path / "a")
-    assert train(from_mapping(longer), tmp_path / "c", **QUIET)["updates"] == 16
+    assert run_training(from_mapping(longer), tmp_path / "c")["updates"] == 16
     with pytest.raises(ConfigError, match="not a readable rayspec checkpoint"):
         (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
         cfg["checkpoint"]["resume"] = str(tmp_path / "junk.pt")
-        train(from_mapping(cfg), tmp_path / "y", **QUIET)
+        run_training(from_mapping(cfg), tmp_path / "y")
 
 
 def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
@@ -174,7 +172,7 @@ def test_non_finite_loss_names_the_update_and_stage_and_keeps_the_last_checkpoin
     cfg["optim"] = {"lr": 40.0, "momentum": 0.9}  # diverges within a few dozen updates
     cfg["checkpoint"] = {"every": 2}
     with pytest.raises(FloatingPointError) as info:
-        train(from_mapping(cfg), tmp_path, **QUIET)
+        run_training(from_mapping(cfg), tmp_path)
     text = str(info.value)
     found = re.search(r"(loss of micro-batch \d+|gradient of \S+) is (nan|inf|-inf|not finite) at update (\d+) "
                       r"on stage (\d)", text)

@@ -18,7 +18,7 @@ from rayspec.data import build_data
 from rayspec.exec import LocalExecutor
 from rayspec.models import build_model
 from rayspec.partition import split, uniform
-from rayspec.training import train
+from rayspec.training import run_training
 from rayspec.training.prepare import prepare
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives next to tests/
@@ -110,6 +110,6 @@ def test_dataparallel_counts_the_gradient_bytes_once_per_update(tmp_path, ray_se
     model = prepare(config).model
     expected = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     assert expected == 4 * sum(p.numel() for p in model.parameters())
-    summary = train(config, tmp_path, echo=lambda _: None)
+    summary = run_training(config, tmp_path)
     assert summary["bytes_per_update"] == expected
     assert [st["sent_bytes"] for st in summary["stage_stats"]] == [{"allreduce": updates * expected}] * 2

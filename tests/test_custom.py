@@ -143,9 +143,9 @@ def test_a_run_trains_a_model_and_data_of_ones_own(tmp_path):
     overrides = ["model=custom", f"model._target_={__name__}.blocks", "+model.depth=4", "data=custom",
                  f"data._target_={__name__}.points", "pipeline.executor=local", "pipeline.stages=2",
                  "train.max_steps=6", "train.batch_size=16", "train.log_every=3"]
-    summary = run(overrides, tmp_path / "own", echo=lambda _: None)
+    summary = run(overrides, tmp_path / "own")
     assert (summary.model, summary.dataset, summary.model_size) == (f"{__name__}.blocks", f"{__name__}.points", None)
     assert summary.updates == 6 and summary.val_accuracy is not None
     assert json.loads((tmp_path / "own" / "summary.json").read_text())["balance"] == [2, 2]
     registry = ["model=mlp", "model.size=tiny", *overrides[3:]]
-    assert run(registry, tmp_path / "mlp", echo=lambda _: None).model == "mlp"
+    assert run(registry, tmp_path / "mlp").model == "mlp"

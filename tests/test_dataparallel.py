@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import logging
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from test_train import compose_config
 from rayspec.config import ConfigError, from_mapping
 from rayspec.core.lr import LRSchedule
 from rayspec.data.loader import train_batches
-from rayspec.training import train
+from rayspec.training import run_training
 from rayspec.training.prepare import prepare
 
 TINY = ("pipeline.method=dataparallel", "model=mlp", "model.size=tiny")
@@ -86,7 +87,7 @@ def assert_like_sgd(run_dir, config) -> None:
             assert r["loss"] == pytest.approx(sum(losses[r["step"] - every : r["step"]]) / every, rel=1e-5)
 
 
-def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_session):
+def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_session, caplog):
     """Through ``rayspec.training.train``: SGD's weights, the §4 files, live records to the callbacks, the loss falls."""
 
     class Recorder:
@@ -104,9 +105,9 @@ def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_se
 
     config = dataparallel_config("pipeline.stages=2", "train.max_steps=120", "train.batch_size=128",
                                  "train.log_every=20", "train.eval_every=60", *OPTIM)
-    lines: list[str] = []
+    caplog.set_level(logging.INFO, logger="rayspec")
     rec = Recorder()
-    summary = train(config, tmp_path, echo=lines.append, callbacks=[rec])
+    summary = run_training(config, tmp_path, callbacks=[rec])
     assert_like_sgd(tmp_path, config)
 
     records = read_records(tmp_path)
@@ -136,15 +137,15 @@ def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_se
     # model.pt: the model's own state_dict names (no DDP "module." prefix), loadable into a fresh model
     model = copy.deepcopy(prepare(config).model)
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
-    assert any(line.startswith("step    120/120") and "samples/s" in line for line in lines), lines  # _Progress's
-    assert any(line.startswith("worker 1: busy") for line in lines)
+    assert any(line.startswith("step    120/120") and "samples/s" in line for line in caplog.messages), caplog.messages  # _Progress's
+    assert any(line.startswith("worker 1: busy") for line in caplog.messages)
 
 
 @pytest.mark.slow
 def test_four_workers_equal_sgd_on_the_global_batch(tmp_path, ray_session):
     """Four workers on two cores (half a CPU each by default), 16 samples each per update; Nesterov, warm-up, cosine."""
     config = dataparallel_config("pipeline.stages=4", "train.max_steps=12", "train.log_every=4", *SCHEDULED)
-    train(config, tmp_path, echo=lambda _: None)
+    run_training(config, tmp_path)
     assert_like_sgd(tmp_path, config)
     steps = [r for r in read_records(tmp_path) if "loss" in r]
     assert [r["step"] for r in steps] == [4, 8, 12]
@@ -162,7 +163,7 @@ def test_a_worker_failure_is_a_clear_error_on_the_driver(tmp_path, ray_session):
 
     config = dataparallel_config("pipeline.stages=2", "train.max_steps=40", "train.log_every=5", "optim.lr=1000")
     with pytest.raises(FloatingPointError, match=r"the loss of micro-batch \d+ is \S+ at update \d+ on stage 0 \(the last\); lower optim.lr"):
-        train(config, tmp_path, echo=lambda _: None, callbacks=[Recorder()])
+        run_training(config, tmp_path, callbacks=[Recorder()])
     assert ended == [None]
     assert not (tmp_path / "model.pt").exists()
 
@@ -194,7 +195,7 @@ def test_a_tune_placement_group_is_refused_before_ray_train_starts(tmp_path):
             ended.append(summary)
 
     with pytest.raises(ConfigError, match="cannot run inside a Ray Tune trial's placement group"):
-        train(dataparallel_config("pipeline.stages=2"), tmp_path, echo=lambda _: None, callbacks=[Recorder()],
+        run_training(dataparallel_config("pipeline.stages=2"), tmp_path, callbacks=[Recorder()],
               placement_group=object())
     assert ended == [None]
 
@@ -212,10 +213,10 @@ def test_an_interrupted_dataparallel_run_resumes_like_sgd(tmp_path, ray_session)
     overrides = ("pipeline.stages=2", "train.max_steps=24", "train.batch_size=64", "train.log_every=2",
                  "checkpoint.every=5", *SCHEDULED)
     with pytest.raises(KeyboardInterrupt):
-        train(dataparallel_config(*overrides), tmp_path, echo=lambda _: None, callbacks=[StopAfter()])
+        run_training(dataparallel_config(*overrides), tmp_path, callbacks=[StopAfter()])
     assert (tmp_path / "checkpoints" / "step_00000010.pt").exists()
     config = dataparallel_config(*overrides, "checkpoint.resume=auto")
-    summary = train(config, tmp_path, echo=lambda _: None)
+    summary = run_training(config, tmp_path)
     assert summary["resumed_from"] == 10 and summary["updates"] == 24
     assert_like_sgd(tmp_path, config)
     steps = [r["step"] for r in read_records(tmp_path) if "loss" in r]

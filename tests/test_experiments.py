@@ -15,7 +15,7 @@ from test_train import CONF, compose_config
 from wandb_offline import offline_runs, read_offline_history
 
 from rayspec.config import ConfigError, from_mapping
-from rayspec.training import train
+from rayspec.training import run_training
 from rayspec.training.loggers import build_callbacks, wandb_mode
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml"))
@@ -71,7 +71,7 @@ FAST = {"quickstart", "lstm_imdb"}  # the rest (bigger tiny models) run with the
 def test_experiment_smoke_runs_on_ray(name, data_root, tmp_path, ray_session):
     cfg = compose_config(f"+experiment={name}", "debug=smoke", f"data.root={data_root}", "pipeline.cpus_per_stage=0.5",
                          "pipeline.executor=ray")
-    summary = train(from_mapping(cfg), tmp_path, echo=lambda _: None)
+    summary = run_training(from_mapping(cfg), tmp_path)
     assert summary["updates"] == 4 and summary["stages"] == 4
     assert torch.isfinite(torch.tensor(summary["final_train_loss"]))
     assert 0 <= summary["val_accuracy"] <= 1
@@ -94,8 +94,7 @@ def test_wandb_offline_run_holds_the_loss(tmp_path, monkeypatch, ray_session):
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = compose_config("debug=smoke", "logger=wandb", "logger.project=rayspec-test", "pipeline.cpus_per_stage=0.5")
     config = from_mapping(cfg)
-    lines: list[str] = []
-    summary = train(config, tmp_path, echo=lines.append, callbacks=build_callbacks(config, tmp_path, echo=lines.append))
+    summary = run_training(config, tmp_path, callbacks=build_callbacks(config, tmp_path))
     runs = offline_runs(tmp_path)
     assert len(runs) == 1
     history = read_offline_history(runs[0], wait_s=60)

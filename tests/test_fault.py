@@ -4,6 +4,7 @@ finishes with the planned updates and the weights of an uninterrupted run."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -11,9 +12,7 @@ import torch
 
 from benchmarks._common import KillActor, actor_processes, stage_actor_processes
 from rayspec.config import from_mapping
-from rayspec.training import RunFailed, train
-
-QUIET = {"echo": lambda _: None}
+from rayspec.training import RunFailed, run_training
 
 
 def settings(executor: str = "ray", max_restarts: int = 2, transport: str = "auto") -> dict:
@@ -30,23 +29,22 @@ def settings(executor: str = "ray", max_restarts: int = 2, transport: str = "aut
 
 
 @pytest.mark.parametrize("transport", ["object_store", pytest.param("compiled", marks=pytest.mark.slow), "p2p"])
-def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_session, transport):
+def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_session, transport, caplog):
     killer = KillActor(at=12)
-    lines: list[str] = []
-    summary = train(from_mapping(settings(transport=transport)), tmp_path / "ray", echo=lines.append,
-                    callbacks=[killer])
+    caplog.set_level(logging.INFO, logger="rayspec")
+    summary = run_training(from_mapping(settings(transport=transport)), tmp_path / "ray", callbacks=[killer])
     assert killer.pid is not None and killer.pid not in [p.pid for p in stage_actor_processes()]
     assert summary["updates"] == 30 and torch.isfinite(torch.tensor(summary["final_train_loss"]))
     (restart,) = summary["restarts"]
     assert restart["resumed_from"] in (10, 15) and restart["failed_at_update"] >= 12
     assert restart["lost_updates"] == restart["failed_at_update"] - restart["resumed_from"]
     assert restart["recovery_s"] > 0 and "died" in restart["error"]
-    assert any(line.startswith("restart 1/2:") for line in lines)
+    assert any(line.startswith("restart 1/2:") for line in caplog.messages)
     records = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == list(range(1, 31))  # the lost updates' records were replaced, not duplicated
     # Nothing but time was lost: the weights are those of an uninterrupted run.
-    train(from_mapping(settings("local")), tmp_path / "local", **QUIET)
+    run_training(from_mapping(settings("local")), tmp_path / "local")
     a = torch.load(tmp_path / "ray" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
     for k in a:
@@ -55,7 +53,7 @@ def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_
 
 def test_without_restarts_a_dead_stage_stops_the_run_and_names_the_checkpoint(tmp_path, ray_session):
     with pytest.raises(RunFailed) as info:
-        train(from_mapping(settings(max_restarts=0)), tmp_path, callbacks=[KillActor(at=7)], **QUIET)
+        run_training(from_mapping(settings(max_restarts=0)), tmp_path, callbacks=[KillActor(at=7)])
     text = str(info.value)
     assert "a stage actor died after update" in text and "fault.max_restarts=0" in text
     # The callback runs on what the driver actor streams back, a few updates behind it: the run may have
@@ -76,22 +74,22 @@ def _no_actors_left(timeout_s: float = 20.0) -> bool:
     return True
 
 
-def test_killed_driver_actor_is_replaced_and_the_run_resumes_from_the_last_checkpoint(tmp_path, ray_session):
+def test_killed_driver_actor_is_replaced_and_the_run_resumes_from_the_last_checkpoint(tmp_path, ray_session, caplog):
     """The run loop's actor is SIGKILLed: its stage actors go with it, a new driver actor resumes from the
     newest checkpoint, and the run ends with the weights of an uninterrupted run."""
     killer = KillActor(at=12, title="DriverActor")
-    lines: list[str] = []
-    summary = train(from_mapping(settings()), tmp_path / "ray", echo=lines.append, callbacks=[killer])
+    caplog.set_level(logging.INFO, logger="rayspec")
+    summary = run_training(from_mapping(settings()), tmp_path / "ray", callbacks=[killer])
     assert killer.pid is not None and summary["updates"] == 30
     (restart,) = summary["restarts"]
     assert restart["kind"] == "driver" and "the driver actor died after update" in restart["error"]
     assert restart["resumed_from"] % 5 == 0 and restart["resumed_from"] <= restart["failed_at_update"]
     assert restart["failed_at_update"] >= 12 and restart["recovery_s"] > 0
-    assert any(line.startswith("restart 1/2:") and "new driver actor" in line for line in lines)
+    assert any(line.startswith("restart 1/2:") and "new driver actor" in line for line in caplog.messages)
     records = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 31))
     assert _no_actors_left()  # the dead driver's stages and the finished run's
-    train(from_mapping(settings("local")), tmp_path / "local", **QUIET)
+    run_training(from_mapping(settings("local")), tmp_path / "local")
     a = torch.load(tmp_path / "ray" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "local" / "model.pt", weights_only=True)
     for k in a:
@@ -101,8 +99,7 @@ def test_killed_driver_actor_is_replaced_and_the_run_resumes_from_the_last_check
 @pytest.mark.slow
 def test_without_restarts_a_dead_driver_actor_stops_the_run_and_names_the_checkpoint(tmp_path, ray_session):
     with pytest.raises(RunFailed) as info:
-        train(from_mapping(settings(max_restarts=0)), tmp_path, callbacks=[KillActor(at=7, title="DriverActor")],
-              **QUIET)
+        run_training(from_mapping(settings(max_restarts=0)), tmp_path, callbacks=[KillActor(at=7, title="DriverActor")])
     text = str(info.value)
     assert "the driver actor died after update" in text and "fault.max_restarts=0" in text
     newest = sorted((tmp_path / "checkpoints").glob("step_*.pt"))[-1]
@@ -118,6 +115,6 @@ def test_a_callback_error_stops_the_driver_actor_and_its_stages(tmp_path, ray_se
                 raise KeyError("stop here")
 
     with pytest.raises(KeyError, match="stop here"):
-        train(from_mapping(settings()), tmp_path, callbacks=[Stop()], **QUIET)
+        run_training(from_mapping(settings()), tmp_path, callbacks=[Stop()])
     assert _no_actors_left()
     assert not (tmp_path / "summary.json").exists()

@@ -5,6 +5,7 @@ what W&B holds already."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -31,32 +32,32 @@ def steps(run_dir: Path) -> list[tuple[str, list[int]]]:
             for r in offline_runs(run_dir)]
 
 
-def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, caplog):
     first = tmp_path / "run"
-    run([*BASE, "train.max_steps=6"], first, echo=lambda _: None)
+    run([*BASE, "train.max_steps=6"], first)
     record = json.loads((first / RUN_FILE).read_text())
     wandb_id = record["id"]
     assert record["last_step"] == 6 and record["mode"] == "offline"
     checkpoint = first / "checkpoints" / "step_00000004.pt"
     assert torch.load(checkpoint, weights_only=True)["wandb_id"] == wandb_id
     # Resume from update 4, as after a crash once update 6 had reached W&B: 5-6 are not sent again.
-    lines: list[str] = []
-    summary = run([*BASE, "train.max_steps=8", f"checkpoint.resume={checkpoint}"], first, echo=lines.append)
+    caplog.set_level(logging.INFO, logger="rayspec")
+    summary = run([*BASE, "train.max_steps=8", f"checkpoint.resume={checkpoint}"], first)
     assert summary.resumed_from == 4
-    assert f"W&B: continuing run {wandb_id} from update 4; updates 5-6 are in W&B already and are not sent again" in lines
+    assert f"W&B: continuing run {wandb_id} from update 4; updates 5-6 are in W&B already and are not sent again" in caplog.messages
     assert steps(first) == [(wandb_id, [2, 4, 6]), (wandb_id, [8])]
     assert json.loads((first / RUN_FILE).read_text())["last_step"] == 8
     # Resumed into another run folder: the id comes with the checkpoint, what W&B holds from the checkpoint's folder.
     elsewhere = tmp_path / "elsewhere"
-    run([*BASE, "train.max_steps=10", f"checkpoint.resume={first}"], elsewhere, echo=lambda _: None)
+    run([*BASE, "train.max_steps=10", f"checkpoint.resume={first}"], elsewhere)
     assert steps(elsewhere) == [(wandb_id, [10])]
     assert json.loads((elsewhere / RUN_FILE).read_text())["id"] == wandb_id
 
 
 def test_a_fresh_run_gets_a_new_wandb_id_or_the_given_one(tmp_path):
-    run([*BASE, "train.max_steps=2"], tmp_path / "a", echo=lambda _: None)
-    run([*BASE, "train.max_steps=2"], tmp_path / "b", echo=lambda _: None)
-    run([*BASE, "train.max_steps=2", "logger.id=mine0001"], tmp_path / "c", echo=lambda _: None)
+    run([*BASE, "train.max_steps=2"], tmp_path / "a")
+    run([*BASE, "train.max_steps=2"], tmp_path / "b")
+    run([*BASE, "train.max_steps=2", "logger.id=mine0001"], tmp_path / "c")
     ids = [json.loads((tmp_path / name / RUN_FILE).read_text())["id"] for name in "abc"]
     assert ids[0] != ids[1] and ids[2] == "mine0001"
     assert steps(tmp_path / "c") == [("mine0001", [2])]

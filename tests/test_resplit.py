@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,9 @@ from conftest import Stop, StopAfter
 from rayspec.config import ConfigError, from_mapping
 from rayspec.core.stage import make_stages
 from rayspec.partition import split
-from rayspec.training import train
+from rayspec.training import run_training
 from rayspec.training.checkpoint import CheckpointStore, check_compatible, load_checkpoint
 from rayspec.training.resplit import parameter_names, resplit, stream_seed
-
-QUIET = {"echo": lambda _: None}
 
 
 def settings(method: str, stages: int, **pipeline) -> dict:
@@ -47,7 +46,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("method,executor,optimizer", [("gpipe", "local", "sgd"), ("vanilla", "local", "sgd"),
                                                       ("gpipe", "ray", "sgd"), ("gpipe", "local", "adamw")])
 def test_synchronous_run_resumed_on_2_stages_then_on_4_equals_the_uninterrupted_run(tmp_path, request, method,
-                                                                                     executor, optimizer):
+                                                                                     executor, optimizer, caplog):
     """4 stages to update 4, 2 stages to update 8 (on ``executor``: the Ray run re-splits in its driver actor), 4
     stages to the end: the weights of an uninterrupted 4-stage run, to rounding (the optimizer's state, SGD's
     momentum or AdamW's moments and step counts, is re-split with the weights)."""
@@ -56,17 +55,16 @@ def test_synchronous_run_resumed_on_2_stages_then_on_4_equals_the_uninterrupted_
     cfg = settings(method, 4)
     if optimizer == "adamw":
         cfg["optim"] |= {"name": "adamw", "lr": 0.003, "weight_decay": 0.01}
-    full = train(from_mapping(cfg), tmp_path / "a", **QUIET)
+    full = run_training(from_mapping(cfg), tmp_path / "a")
     run = tmp_path / "b"
     with pytest.raises(Stop):
-        train(from_mapping(cfg), run, callbacks=[StopAfter(5)], **QUIET)
-    lines: list[str] = []
+        run_training(from_mapping(cfg), run, callbacks=[StopAfter(5)])
+    caplog.set_level(logging.INFO, logger="rayspec")
     with pytest.raises(Stop):
-        train(from_mapping(resumed(cfg, 2, executor=executor, cpus_per_stage=0.5)), run, callbacks=[StopAfter(9)],
-              echo=lines.append)
-    assert any("re-splitting its partition [2, 2, 2, 1] onto [4, 3]" in line for line in lines), lines
+        run_training(from_mapping(resumed(cfg, 2, executor=executor, cpus_per_stage=0.5)), run, callbacks=[StopAfter(9)])
+    assert any("re-splitting its partition [2, 2, 2, 1] onto [4, 3]" in line for line in caplog.messages), caplog.messages
     assert load_checkpoint(CheckpointStore(run / "checkpoints").latest())["balance"] == [4, 3]
-    summary = train(from_mapping(resumed(cfg, 4)), run, **QUIET)
+    summary = run_training(from_mapping(resumed(cfg, 4)), run)
     a, b = weights(tmp_path / "a"), weights(run)
     assert a.keys() == b.keys()
     for k in a:
@@ -83,13 +81,13 @@ def test_spectrain_resumes_on_another_balance_with_fresh_probes(tmp_path):
     changes); the probes start afresh, and settings that are not the layout are still refused."""
     cfg = settings("spectrain", 3)
     with pytest.raises(Stop):
-        train(from_mapping(cfg), tmp_path, callbacks=[StopAfter(9)], **QUIET)
+        run_training(from_mapping(cfg), tmp_path, callbacks=[StopAfter(9)])
     before = load_checkpoint(CheckpointStore(tmp_path / "checkpoints").latest())
     assert before["step"] == 8 and all("probe" in st for st in before["stages"])
     other = resumed(cfg, method="pipedream", balance=[1, 1, 5])
     with pytest.raises(ConfigError, match="pipeline.method='spectrain' but this run has pipeline.method='pipedream'"):
-        train(from_mapping(other), tmp_path, **QUIET)
-    summary = train(from_mapping(resumed(cfg, balance=[1, 1, 5])), tmp_path, **QUIET)
+        run_training(from_mapping(other), tmp_path)
+    summary = run_training(from_mapping(resumed(cfg, balance=[1, 1, 5])), tmp_path)
     assert summary["balance"] == [1, 1, 5] and summary["updates"] == 12
     assert summary["layout_changes"][0] | {"train_s": 0} == {"step": 8, "from": [3, 2, 2], "to": [1, 1, 5],
                                                            "train_s": 0}

@@ -12,7 +12,7 @@ from test_train import compose_config
 from rayspec.config import from_mapping
 from rayspec.models import build_model
 from rayspec.partition import split, uniform
-from rayspec.training import train
+from rayspec.training import run_training
 from rayspec.training.prepare import prepare
 from rayspec.training.trace import bubble_fraction, chrome_trace
 
@@ -24,7 +24,7 @@ BASE = ["model.size=tiny", "data.train_size=512", "data.val_size=64", "train.max
                                                   pytest.param("ray", "pipedream", marks=pytest.mark.slow)])
 def test_trace_has_one_interval_per_action(executor, method, tmp_path, ray_session):
     cfg = compose_config(*BASE, f"pipeline.executor={executor}", f"pipeline.method={method}", "train.eval_every=3")
-    summary = train(from_mapping(cfg), tmp_path, echo=lambda _: None)
+    summary = run_training(from_mapping(cfg), tmp_path)
     micro = 6 * (4 if method == "gpipe" else 1)
     events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(events) == 4 * 2 * micro  # every stage: one F and one B per micro-batch
@@ -64,7 +64,7 @@ def test_byte_counters_match_the_analytic_volume(executor, tmp_path, ray_session
         for part in split(build_model("mlp", prepared.data.info, "tiny"), uniform(len(prepared.model), 4))[:-1]:
             x = part(x)
             boundary += x.numel() * x.element_size()
-    summary = train(config, tmp_path, echo=lambda _: None)
+    summary = run_training(config, tmp_path)
     assert summary["bytes_per_update"] == 2 * boundary
     sent = [st["sent_bytes"] for st in summary["stage_stats"]]
     assert sent[-1]["F"] == 0 and sent[0]["B"] == 0  # nothing leaves the ends of the pipeline

@@ -15,7 +15,7 @@ from rayspec.config.compose import compose
 from rayspec.data import DataError
 from rayspec.models import build_model
 from rayspec.partition import PartitionError
-from rayspec.training import train
+from rayspec.training import run_training
 from rayspec.training.prepare import prepare
 
 CONF = str(CONF_DIR)
@@ -58,7 +58,7 @@ def test_every_method_trains_locally(tmp_path, method):
     method, *extra = method.split()
     config = from_mapping(compose_config(f"pipeline.method={method}", "pipeline.executor=local", "train.max_steps=40",
                                          "train.log_every=10", "model.size=tiny", *[f"pipeline.{e}" for e in extra]))
-    summary = train(config, tmp_path, echo=lambda _: None)
+    summary = run_training(config, tmp_path)
     assert summary["updates"] == 40 and summary["final_train_loss"] < 2.31
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len([line for line in lines if '"loss"' in line]) == 4
@@ -66,8 +66,8 @@ def test_every_method_trains_locally(tmp_path, method):
 
 def test_local_and_ray_runs_agree(tmp_path, ray_session):
     common = ["pipeline.method=spectrain", "train.max_steps=20", "model.size=tiny", "pipeline.cpus_per_stage=0.5"]
-    a = train(from_mapping(compose_config(*common, "pipeline.executor=local")), tmp_path / "a", echo=lambda _: None)
-    b = train(from_mapping(compose_config(*common, "pipeline.executor=ray")), tmp_path / "b", echo=lambda _: None)
+    a = run_training(from_mapping(compose_config(*common, "pipeline.executor=local")), tmp_path / "a")
+    b = run_training(from_mapping(compose_config(*common, "pipeline.executor=ray")), tmp_path / "b")
     wa, wb = torch.load(tmp_path / "a" / "model.pt"), torch.load(tmp_path / "b" / "model.pt")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k])
@@ -140,18 +140,18 @@ def test_bad_input_is_a_clear_error(overrides, error, message):
 
 
 def test_every_bad_input_fails_before_ray_starts(tmp_path):
-    """The whole table through ``train()`` in one fresh process: each fails with its message and Ray never starts."""
+    """The whole table through ``run_training()`` in one fresh process: each fails with its message and Ray never starts."""
     cases = [[*o, f"hydra.run.dir={tmp_path / str(i)}"] for i, (o, _, _) in enumerate(BAD)]
     script = """
 import json, sys, ray
 from rayspec.config import from_mapping
 from rayspec.config.compose import compose
-from rayspec.training import train
+from rayspec.training import run_training
 out = []
 for i, overrides in enumerate(json.loads(sys.argv[1])):
     try:
         cfg = compose(["model.size=tiny", *overrides[:-1]])
-        train(from_mapping(cfg), overrides[-1].split("=", 1)[1], echo=lambda _: None)
+        run_training(from_mapping(cfg), overrides[-1].split("=", 1)[1])
         out.append(["none", "", ray.is_initialized()])
     except Exception as err:
         out.append([type(err).__name__, str(err), ray.is_initialized()])

@@ -9,7 +9,7 @@ from test_train import compose_config
 from rayspec.config import from_mapping
 from rayspec.data import DATASETS
 from rayspec.models import MODELS
-from rayspec.training import train
+from rayspec.training import run_training
 
 IMAGE_MODELS = ["mlp", "vgg16", "resnet50", "resnet152", "densenet121", "googlenet", "inception_v4", "snn"]
 TEXT_MODELS = ["transformer", "residual_lstm"]
@@ -40,7 +40,7 @@ def test_tiny_model_trains_on_ray_like_local(model, tmp_path, ray_session):
     try:
         for executor in ("local", "ray"):
             config = from_mapping(compose_config(*_overrides(model), f"pipeline.executor={executor}"))
-            runs[executor] = train(config, tmp_path / executor, echo=lambda _: None)
+            runs[executor] = run_training(config, tmp_path / executor)
     finally:
         torch.set_num_threads(threads)
     assert runs["ray"]["updates"] == runs["local"]["updates"] == 4

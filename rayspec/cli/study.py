@@ -2,7 +2,7 @@
 counts and seeds.
 
 A study (``rayspec/experiments/studies/NAME.yaml``) names one workload as training overrides of the run
-configuration, the methods, the stage counts and the seeds. Each run trains through ``rayspec.training.train`` with the
+configuration, the methods, the stage counts and the seeds. Each run trains through ``rayspec.training.run_training`` with the
 same data order and learning-rate schedule (both depend only on ``seed`` and the overrides); at every
 evaluation the run's merged weights are compared with the sequential run's weights at the same update.
 The results (``study.md``, ``study_results.json``, ``learning_curves.png``, ``distance.png``, ``prediction.png``) go to the

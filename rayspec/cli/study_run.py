@@ -7,6 +7,7 @@ train every run through ``train_run`` and report from the same records, so their
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import statistics
@@ -99,11 +100,12 @@ def train_run(study: Study, spec: RunSpec, run_dir: Path, reference: Mapping[int
     Args:
         reference: the baseline's weights per evaluated update (its ``trajectory.pt``); None for a baseline.
         placement_group, bundle_offset: a Tune trial's placement group and its first stage bundle
-            (``rayspec.training.train``); the local executor ignores them.
+            (``rayspec.training.run_training``); the local executor ignores them.
     """
     import torch
 
-    from rayspec.training import train
+    from rayspec.training import run_training
+    from rayspec.training.console import relayed_to
 
     if study.threads is not None:
         torch.set_num_threads(study.threads)
@@ -114,14 +116,16 @@ def train_run(study: Study, spec: RunSpec, run_dir: Path, reference: Mapping[int
     recorder = _Recorder(reference, keep=spec.reference is None)
     status, error, summary = "ok", None, None
     t0 = time.perf_counter()
-    with open(run_dir / "train.log", "w") as log:
+    log = logging.FileHandler(run_dir / "train.log", mode="w")
+    with relayed_to(log):  # the run's lines go to its train.log alone
         try:
-            summary = train(config, run_dir, echo=lambda line: print(line, file=log, flush=True), callbacks=[recorder],
-                            placement_group=placement_group, bundle_offset=bundle_offset)
+            summary = run_training(config, run_dir, callbacks=[recorder], placement_group=placement_group,
+                                   bundle_offset=bundle_offset)
         except FloatingPointError as err:
             status, error = "diverged", str(err)
         except Exception as err:  # recorded; the study goes on with the next run
             status, error = "failed", f"{type(err).__name__}: {err}"
+    log.close()
     seconds = time.perf_counter() - t0
     final_val = recorder.val[-1] if recorder.val else None
     if status == "ok" and final_val is not None and not all(math.isfinite(v) for v in final_val[1:]):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -15,8 +14,6 @@ from rayspec.config.compose import CONF
 from rayspec.errors import RayspecError
 
 __all__ = ["main"]
-
-log = logging.getLogger("rayspec")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,13 +37,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 @hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
 def _train(cfg: DictConfig) -> None:
-    from rayspec.training import RunFailed, train
+    from rayspec.training import RunFailed, run_training
+    from rayspec.training.console import ensure_console
     from rayspec.training.loggers import build_callbacks
 
     try:
         config = from_mapping(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
         run_dir = HydraConfig.get().runtime.output_dir
-        train(config, run_dir, echo=log.info, callbacks=build_callbacks(config, run_dir, echo=log.info))
+        ensure_console()  # Hydra's job logging shows the run's lines; this only if it is turned off
+        run_training(config, run_dir, callbacks=build_callbacks(config, run_dir))
     except RayspecError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

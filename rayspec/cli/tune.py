@@ -1,7 +1,7 @@
 """``rayspec tune sweep=NAME`` (``python -m rayspec.tune``): Ray Tune sweeps over training overrides
 (``rayspec/experiments/sweeps/NAME.yaml``).
 
-Each trial trains through ``rayspec.training.train`` in its own placement group: bundle 0 for the run's
+Each trial trains through ``rayspec.training.run_training`` in its own placement group: bundle 0 for the run's
 driver, then one bundle per stage (docs/design.md §3).
 """
 
@@ -91,7 +91,7 @@ def trial_bundles(p: PipelineConfig, driver_cpus: float | None = None) -> tuple[
 class _Reporter:
     """Turns the trainer's evaluation records into ``tune.report`` calls (one Tune iteration each).
 
-    The final evaluation is reported only after ``train`` returns (``finish``): a scheduler that stops the
+    The final evaluation is reported only after ``run_training`` returns (``finish``): a scheduler that stops the
     trial at that report (ASHA at ``max_t``) then cannot cut off the run's ``summary.json`` and ``model.pt``.
     """
 
@@ -128,7 +128,8 @@ def trial(sampled: dict[str, Any], setup: _Setup) -> None:
     from omegaconf import OmegaConf
     from ray import tune
 
-    from rayspec.training import train
+    from rayspec.training import run_training
+    from rayspec.training.console import ensure_console
 
     if Path(setup.cwd).is_dir():
         os.chdir(setup.cwd)  # relative paths (data.root=...) mean what they mean to rayspec.train
@@ -154,8 +155,9 @@ def trial(sampled: dict[str, Any], setup: _Setup) -> None:
     OmegaConf.save(OmegaConf.create(overrides), run_dir / ".hydra" / "overrides.yaml")
     reporter = _Reporter(config.train.max_steps)
     callbacks = [reporter, *loggers(config, run_dir, setup.name, context.get_trial_id())]
-    train(config, run_dir, echo=print, callbacks=callbacks, placement_group=ray.util.get_current_placement_group(),
-          bundle_offset=1)
+    ensure_console()  # the trial's lines on its stdout, which Ray forwards
+    run_training(config, run_dir, callbacks=callbacks, placement_group=ray.util.get_current_placement_group(),
+                 bundle_offset=1)
     reporter.finish()
 
 
@@ -203,10 +205,10 @@ def _state(sweep: Sweep) -> dict[str, Any]:
     return json.loads(json.dumps(state))
 
 
-def _start_ray(sweep: Sweep, echo: Callable[[str], None]) -> None:
+def _start_ray(sweep: Sweep) -> None:
     from rayspec.exec.ray.connect import ensure_ray
 
-    ensure_ray(from_mapping(compose(sweep.overrides)).ray, echo)
+    ensure_ray(from_mapping(compose(sweep.overrides)).ray)
 
 
 def _tuner(sweep: Sweep, resume: bool, echo: Callable[[str], None]) -> Any:
@@ -246,7 +248,7 @@ def run_sweep(sweep: Sweep, resume: bool = True, echo: Callable[[str], None] = p
     Returns:
         One row per trial: ``trial_id``, the swept values, the last reported metrics and ``status``.
     """
-    _start_ray(sweep, echo)
+    _start_ray(sweep)
     tuner = _tuner(sweep, resume, echo)
     results = tuner.fit()
     rows = sorted((_row(sweep, r) for r in results), key=lambda r: r["trial_id"])

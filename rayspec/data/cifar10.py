@@ -125,6 +125,19 @@ def cifar10(root: str | None = None, seed: int = 0, download: bool = False, augm
     Raises:
         DataError: ``root`` is unset, files are missing or malformed, or the download failed.
     """
+    root, folder = _folder(root, download)
+    reader = _reader_class()
+    splits = [_read_split(reader, root, folder, train, download, augment and train, seed) for train in (True, False)]
+    train_set, test_set = splits
+    for split in splits:
+        _validate(split, folder)
+    x_val = test_set.normalize(torch.from_numpy(test_set.data).permute(0, 3, 1, 2))
+    val = TensorDataset(x_val, torch.tensor(test_set.targets, dtype=torch.int64))
+    return DataBundle(train_set, val, DataInfo("image", 10, (3, 32, 32)))
+
+
+def _folder(root: str | None, download: bool) -> tuple[str, str]:
+    """``data.root`` user-expanded and the CIFAR-10 folder in it, whose files must be there unless downloaded."""
     if root is None:
         raise DataError(
             f"data=cifar10 needs data.root: the folder that holds {FOLDER}/ "
@@ -140,35 +153,23 @@ def cifar10(root: str | None = None, seed: int = 0, download: bool = False, augm
                 f"(https://www.cs.toronto.edu/~kriz/cifar.html) in data.root={root} so that {folder}/ holds "
                 f"{', '.join(FILES)}, or set data.download=true"
             )
-    reader = _reader_class()
-    splits = []
-    for train in (True, False):
-        try:
-            splits.append(
-                reader(
-                    root,
-                    train=train,
-                    download=download and train,
-                    verify=download,
-                    augment=augment and train,
-                    seed=seed,
-                )
-            )
-        except OSError as e:
-            if download:
-                raise DataError(
-                    f"cifar10: could not download CIFAR-10 into {folder}/ ({e}); download cifar-10-python.tar.gz "
-                    f"by hand and unpack it in data.root={root}, then set data.download=false"
-                ) from e
-            raise DataError(f"cifar10: could not read {folder}/ ({e}); check the files and their permissions") from e
-        except Exception as e:
-            raise DataError(_diagnose(folder, e)) from e
-    train_set, test_set = splits
-    for split in splits:
-        _validate(split, folder)
-    x_val = test_set.normalize(torch.from_numpy(test_set.data).permute(0, 3, 1, 2))
-    val = TensorDataset(x_val, torch.tensor(test_set.targets, dtype=torch.int64))
-    return DataBundle(train_set, val, DataInfo("image", 10, (3, 32, 32)))
+    return root, folder
+
+
+def _read_split(reader: Any, root: str, folder: str, train: bool, download: bool, augment: bool, seed: int) -> Any:
+    """One split read by ``reader`` (downloading the archive with the training split if asked); its failure as a
+    ``DataError`` that says what to do."""
+    try:
+        return reader(root, train=train, download=download and train, verify=download, augment=augment, seed=seed)
+    except OSError as e:
+        if download:
+            raise DataError(
+                f"cifar10: could not download CIFAR-10 into {folder}/ ({e}); download cifar-10-python.tar.gz "
+                f"by hand and unpack it in data.root={root}, then set data.download=false"
+            ) from e
+        raise DataError(f"cifar10: could not read {folder}/ ({e}); check the files and their permissions") from e
+    except Exception as e:
+        raise DataError(_diagnose(folder, e)) from e
 
 
 def _validate(split: Any, folder: str) -> None:

@@ -73,30 +73,7 @@ def imdb(
     """
     check_sizes("imdb", vocab_size, max_len)
     options = {"version": _CACHE_VERSION, "vocab_size": vocab_size, "max_len": max_len, "source": source}
-    read: Callable[[], Texts]
-    if source == "files":
-        if root is None:
-            raise DataError("data=imdb needs data.root: the folder that holds aclImdb/ (unpacked " + _ARCHIVE + ")")
-        base = os.path.join(os.path.expanduser(str(root)), "aclImdb")
-        files = _list_files(base)
-        options["files"] = _fingerprint(base, files)
-        cache_path: str | None = os.path.join(base, CACHE_FOLDER, _key(options) + ".pt")
-
-        def read() -> Texts:
-            return _read_files(files)
-
-    elif source == "hf":
-        hf_root = None if root is None else os.path.expanduser(str(root))
-        cache_path = None if hf_root is None else os.path.join(hf_root, CACHE_FOLDER, f"imdb-hf-{_key(options)}.pt")
-
-        def read() -> Texts:
-            return _read_hf(hf_root)
-
-    else:
-        raise DataError(
-            f"imdb: data.source={source!r} is unknown; use data.source=files (aclImdb/ under data.root) or hf"
-        )
-
+    read, cache_path = _source(source, root, options)
     tensors: dict[str, Any] | None = _load_cache(cache_path, max_len) if cache and cache_path else None
     if tensors is None:
         tensors = _tensorize(read(), vocab_size, max_len)
@@ -105,6 +82,25 @@ def imdb(
     train = TensorDataset(tensors["train_x"], tensors["train_y"])
     val = TensorDataset(tensors["test_x"], tensors["test_y"])
     return DataBundle(train, val, DataInfo("text", 2, (max_len,), vocab_size))
+
+
+def _source(source: str, root: str | None, options: dict[str, Any]) -> tuple[Callable[[], Texts], str | None]:
+    """The reader of the reviews for ``source`` and the path of their tensor cache (None: no cache); the
+    files' fingerprint joins ``options``, which key the cache."""
+    if source == "files":
+        if root is None:
+            raise DataError("data=imdb needs data.root: the folder that holds aclImdb/ (unpacked " + _ARCHIVE + ")")
+        base = os.path.join(os.path.expanduser(str(root)), "aclImdb")
+        files = _list_files(base)
+        options["files"] = _fingerprint(base, files)
+        return (lambda: _read_files(files)), os.path.join(base, CACHE_FOLDER, _key(options) + ".pt")
+    if source == "hf":
+        hf_root = None if root is None else os.path.expanduser(str(root))
+        cache_path = None if hf_root is None else os.path.join(hf_root, CACHE_FOLDER, f"imdb-hf-{_key(options)}.pt")
+        return (lambda: _read_hf(hf_root)), cache_path
+    raise DataError(
+        f"imdb: data.source={source!r} is unknown; use data.source=files (aclImdb/ under data.root) or hf"
+    )
 
 
 def _list_files(base: str) -> dict[str, dict[int, list[str]]]:

@@ -1,4 +1,14 @@
-"""Labelled texts from a CSV file (plain, ``.gz``, ``.bz2`` or ``.xz``) as padded token ids."""
+"""Labelled texts from a CSV file (plain, ``.gz``, ``.bz2`` or ``.xz``) as padded token ids.
+
+The validation split is the rows whose ``split_column`` value is ``split_values[1]`` (training:
+``split_values[0]``; other rows dropped) when ``split_column`` is set, else a seeded random split
+(:func:`group_split`): whole groups of ``group_column`` (e.g. every review of one movie) go to one
+side, so no group straddles the split; without ``group_column`` (or for an empty group value) a row is
+a group of its own.
+
+The file is read anew every time (no tensor cache): tokenizing the 12,808 Rotten Tomatoes reviews
+of ``rt_reviews`` takes one to two seconds.
+"""
 
 from __future__ import annotations
 
@@ -27,22 +37,11 @@ _OPENERS: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".bz2": bz2.open, "
 
 
 @register("text_csv")
-def text_csv(
-    root: str | None = None,
-    seed: int = 0,
-    path: str | None = None,
-    text_column: str = "text",
-    label_column: str = "label",
-    labels: Sequence[Any] | None = None,
-    group_column: str | None = None,
-    split_column: str | None = None,
-    split_values: Sequence[Any] = ("train", "test"),
-    val_fraction: float = 0.2,
-    split_seed: int = 0,
-    vocab_size: int = 20000,
-    max_len: int = 256,
-    encoding: str = "utf-8",
-) -> DataBundle:
+def text_csv(root: str | None = None, seed: int = 0, path: str | None = None, text_column: str = "text",
+             label_column: str = "label", labels: Sequence[Any] | None = None, group_column: str | None = None,
+             split_column: str | None = None, split_values: Sequence[Any] = ("train", "test"),
+             val_fraction: float = 0.2, split_seed: int = 0, vocab_size: int = 20000, max_len: int = 256,
+             encoding: str = "utf-8") -> DataBundle:
     """Text classification from any CSV file with a header, a text column and a label column.
 
     Labels become class ids in the order of ``labels`` (rows with other labels, or none, are dropped and
@@ -50,15 +49,6 @@ def text_csv(
     as IMDB's (:func:`rayspec.data.text.tokenize`); the vocabulary holds the ``vocab_size - 2`` most
     frequent tokens of the training split only; each text keeps its first ``max_len`` tokens, padded with
     0 at the end.
-
-    The validation split is the rows whose ``split_column`` value is ``split_values[1]`` (training:
-    ``split_values[0]``; other rows dropped) when ``split_column`` is set, else a seeded random split
-    (:func:`group_split`): whole groups of ``group_column`` (e.g. every review of one movie) go to one
-    side, so no group straddles the split; without ``group_column`` (or for an empty group value) a row is
-    a group of its own.
-
-    The file is read anew every time (no tensor cache): tokenizing the 12,808 Rotten Tomatoes reviews
-    of ``rt_reviews`` takes one to two seconds.
 
     Args:
         root: the folder a relative ``path`` is read from (default: the working directory).
@@ -84,11 +74,58 @@ def text_csv(
         DataError: a bad option, a missing or unreadable file, a missing column, or an empty split.
     """
     check_sizes("text_csv", vocab_size, max_len)
+    path = _csv_path(path, root)
+    labels = _checked_options(labels, split_column, split_values, val_fraction)
+    rows = read_rows(path, [c for c in (text_column, label_column, group_column, split_column) if c is not None],
+                     encoding)
+    texts = [r[text_column] for r in rows]
+    values = [r[label_column] for r in rows]
+    labels = labels if labels is not None else _labels_of(values, path, label_column)
+    ids = {v: i for i, v in enumerate(labels)}
+    keep = _labelled(values, ids, label_column, labels)
+    if split_column is not None:
+        train_rows, val_rows = _split_by_column(rows, keep, split_column, split_values)
+    else:
+        groups = [rows[i][group_column] or None for i in keep] if group_column else [None] * len(keep)
+        train_rows, val_rows = group_split(keep, groups, val_fraction, split_seed)
+    _check_not_empty(train_rows, val_rows, path, len(keep), labels)
+    x, y, vocab = _encoded(texts, values, ids, {"train": train_rows, "val": val_rows}, vocab_size, max_len)
+    log.info("text_csv: %s: %d training / %d validation rows, classes %s, %d tokens in the vocabulary", path,
+             len(train_rows), len(val_rows), ", ".join(f"{i}={v}" for i, v in enumerate(labels)), len(vocab))
+    return DataBundle(TensorDataset(x["train"], y["train"]), TensorDataset(x["val"], y["val"]),
+                      DataInfo("text", len(labels), (max_len,), vocab_size))
+
+
+def _check_not_empty(train_rows: list[int], val_rows: list[int], path: str, kept: int, labels: list[str]) -> None:
+    for name, split in (("training", train_rows), ("validation", val_rows)):
+        if not split:
+            raise DataError(
+                f"text_csv: the {name} split of {path} is empty ({kept} rows have a label of "
+                f"{', '.join(labels)}); check data.labels, data.split_column/data.split_values or data.val_fraction"
+            )
+
+
+def _encoded(texts: list[str], values: list[str], ids: dict[str, int], splits: dict[str, list[int]],
+             vocab_size: int, max_len: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
+    """The token ids and class ids of each split's rows, and the vocabulary (of the training split)."""
+    vocab, x = encode_splits({k: [texts[i] for i in rows] for k, rows in splits.items()}, vocab_size, max_len)
+    y = {k: torch.tensor([ids[values[i]] for i in rows], dtype=torch.int64) for k, rows in splits.items()}
+    return x, y, vocab
+
+
+def _csv_path(path: str | None, root: str | None) -> str:
+    """``data.path``, user-expanded, under ``root`` when relative."""
     if path is None:
         raise DataError("data=text_csv needs data.path: the CSV file, e.g. data.path=/data/reviews.csv.gz")
     path = os.path.expanduser(str(path))
     if root is not None and not os.path.isabs(path):
         path = os.path.join(os.path.expanduser(str(root)), path)
+    return path
+
+
+def _checked_options(labels: Sequence[Any] | None, split_column: str | None, split_values: Sequence[Any],
+                     val_fraction: float) -> list[str] | None:
+    """Check the label and split options; the labels as strings (None: taken from the file)."""
     if labels is not None:
         labels = [str(v) for v in labels]
         if len(labels) < 2 or len(set(labels)) != len(labels):
@@ -99,70 +136,51 @@ def text_csv(
         raise DataError(
             f"text_csv: data.split_values={list(split_values)} must name two values: training, then validation"
         )
-    columns = [text_column, label_column, group_column, split_column]
-    rows = read_rows(path, [c for c in columns if c is not None], encoding)
-    texts = [r[text_column] for r in rows]
-    values = [r[label_column] for r in rows]
-    if labels is None:
-        labels = sorted({v for v in values if v})
-        if len(labels) < 2:
-            raise DataError(
-                f"text_csv: the column {label_column} of {path} holds {len(labels)} distinct label(s) "
-                f"({', '.join(labels) or 'none'}); a classifier needs two or more: check data.label_column"
-            )
-    ids = {v: i for i, v in enumerate(labels)}
+    return labels
+
+
+def _labels_of(values: list[str], path: str, label_column: str) -> list[str]:
+    """The sorted distinct non-empty labels of the file; at least two."""
+    labels = sorted({v for v in values if v})
+    if len(labels) < 2:
+        raise DataError(
+            f"text_csv: the column {label_column} of {path} holds {len(labels)} distinct label(s) "
+            f"({', '.join(labels) or 'none'}); a classifier needs two or more: check data.label_column"
+        )
+    return labels
+
+
+def _labelled(values: list[str], ids: dict[str, int], label_column: str, labels: list[str]) -> list[int]:
+    """The rows whose label is one of ``labels``; the others are counted in the log."""
     keep = [i for i, v in enumerate(values) if v in ids]
     dropped = Counter(v for v in values if v not in ids)
     if dropped:
         log.info(
             "text_csv: dropped %d of %d rows whose %s is not one of %s (%s)",
             sum(dropped.values()),
-            len(rows),
+            len(values),
             label_column,
             ", ".join(labels),
             ", ".join(f"{v or '<empty>'}: {n}" for v, n in dropped.most_common()),
         )
-    if split_column is not None:
-        train_value, val_value = (str(v) for v in split_values)
-        train_rows = [i for i in keep if rows[i][split_column] == train_value]
-        val_rows = [i for i in keep if rows[i][split_column] == val_value]
-        if len(train_rows) + len(val_rows) < len(keep):
-            log.info(
-                "text_csv: dropped %d rows whose %s is neither %s nor %s",
-                len(keep) - len(train_rows) - len(val_rows),
-                split_column,
-                train_value,
-                val_value,
-            )
-    else:
-        groups = [rows[i][group_column] or None for i in keep] if group_column else [None] * len(keep)
-        train_rows, val_rows = group_split(keep, groups, val_fraction, split_seed)
-    for name, split in (("training", train_rows), ("validation", val_rows)):
-        if not split:
-            raise DataError(
-                f"text_csv: the {name} split of {path} is empty ({len(keep)} rows have a label of "
-                f"{', '.join(labels)}); check data.labels, data.split_column/data.split_values or data.val_fraction"
-            )
-    vocab, x = encode_splits(
-        {"train": [texts[i] for i in train_rows], "val": [texts[i] for i in val_rows]}, vocab_size, max_len
-    )
-    y = {
-        "train": torch.tensor([ids[values[i]] for i in train_rows], dtype=torch.int64),
-        "val": torch.tensor([ids[values[i]] for i in val_rows], dtype=torch.int64),
-    }
-    log.info(
-        "text_csv: %s: %d training / %d validation rows, classes %s, %d tokens in the vocabulary",
-        path,
-        len(train_rows),
-        len(val_rows),
-        ", ".join(f"{i}={v}" for i, v in enumerate(labels)),
-        len(vocab),
-    )
-    return DataBundle(
-        TensorDataset(x["train"], y["train"]),
-        TensorDataset(x["val"], y["val"]),
-        DataInfo("text", len(labels), (max_len,), vocab_size),
-    )
+    return keep
+
+
+def _split_by_column(rows: list[dict[str, str]], keep: list[int], split_column: str,
+                     split_values: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """The kept rows whose ``split_column`` names the training split, and those naming the validation split."""
+    train_value, val_value = (str(v) for v in split_values)
+    train_rows = [i for i in keep if rows[i][split_column] == train_value]
+    val_rows = [i for i in keep if rows[i][split_column] == val_value]
+    if len(train_rows) + len(val_rows) < len(keep):
+        log.info(
+            "text_csv: dropped %d rows whose %s is neither %s nor %s",
+            len(keep) - len(train_rows) - len(val_rows),
+            split_column,
+            train_value,
+            val_value,
+        )
+    return train_rows, val_rows
 
 
 def read_rows(path: str, columns: Sequence[str], encoding: str = "utf-8") -> list[dict[str, str]]:

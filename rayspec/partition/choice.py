@@ -125,17 +125,7 @@ def choose_partition(
         counts, partition = check_balance(balance, n, stages), "balance"
     else:
         uniform(n, stages)
-    if profiles is not None:
-        profiles = list(profiles)
-        if len(profiles) != n:
-            raise PartitionError(f"got {len(profiles)} block profiles for a model of {n} blocks; profile this model")
-    elif sample_input is not None:
-        profiles = profile_blocks(model, sample_input, device)
-    elif partition == "profile":
-        raise PartitionError(
-            "pipeline.partition='profile' needs a sample_input (a batch of the model's input) to time the blocks; "
-            "pass one, or choose uniform or parameters"
-        )
+    profiles = _profiles(model, partition, sample_input, device, profiles)
     params = block_parameters(model)
     if partition == "uniform":
         counts = uniform(n, stages)
@@ -143,6 +133,30 @@ def choose_partition(
         counts = min_max_split(params, stages)
     elif partition == "profile":
         counts = min_max_split([p.seconds for p in profiles], stages)  # type: ignore[union-attr]
+    return PartitionPlan(list(counts), partition, _rows(counts, params, profiles), profiles)
+
+
+def _profiles(model: nn.Sequential, partition: str, sample_input: Any, device: str | torch.device,
+              profiles: Sequence[BlockProfile] | None) -> list[BlockProfile] | None:
+    """The blocks' profiles: those given (one per block), else measured on ``sample_input``, else none
+    (``profile`` needs them)."""
+    n = len(model)
+    if profiles is not None:
+        if len(profiles) != n:
+            raise PartitionError(f"got {len(profiles)} block profiles for a model of {n} blocks; profile this model")
+        return list(profiles)
+    if sample_input is not None:
+        return profile_blocks(model, sample_input, device)
+    if partition == "profile":
+        raise PartitionError(
+            "pipeline.partition='profile' needs a sample_input (a batch of the model's input) to time the blocks; "
+            "pass one, or choose uniform or parameters"
+        )
+    return None
+
+
+def _rows(counts: Sequence[int], params: list[int], profiles: list[BlockProfile] | None) -> list[StageRow]:
+    """One table row per stage: its blocks, parameters, and with profiles its time and output bytes."""
     rows, start = [], 0
     for k, count in enumerate(counts):
         end = start + count
@@ -152,4 +166,4 @@ def choose_partition(
             out = profiles[end - 1].output_bytes
         rows.append(StageRow(k, start, end - 1, sum(params[start:end]), seconds, out))
         start = end
-    return PartitionPlan(list(counts), partition, rows, profiles)
+    return rows

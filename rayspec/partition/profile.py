@@ -104,16 +104,43 @@ def profile_blocks(
     Raises:
         ValueError: for a negative ``warmup``, ``repeats < 1`` or an empty ``model``.
     """
+    _check_profile(model, warmup, repeats)
+    device = torch.device(device)
+    blocks = list(copy.deepcopy(model).to(device).train())
+    params = [[p for p in b.parameters() if p.requires_grad] for b in blocks]
+    x0 = map_tensors(lambda t: t.to(device), sample_input)
+    cuda = device.type == "cuda"
+    n = len(blocks)
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        torch.manual_seed(0)
+        for run in range(warmup + repeats):
+            forward_s, backward_s, out_bytes = _one_pass(blocks, params, x0, device)
+            if run >= warmup:
+                for i in range(n):
+                    fwd[i].append(forward_s[i])
+                    bwd[i].append(backward_s[i])
+    return [
+        BlockProfile(statistics.median(fwd[i]), statistics.median(bwd[i]), sum(p.numel() for p in blocks[i].parameters()),
+                     out_bytes[i])
+        for i in range(n)
+    ]
+
+
+def _check_profile(model: nn.Sequential, warmup: int, repeats: int) -> None:
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup={warmup!r} must be an integer >= 0")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1; time at least one run")
     if len(model) == 0:
         raise ValueError("profile_blocks needs a model with at least one block, got an empty nn.Sequential")
-    device = torch.device(device)
-    blocks = list(copy.deepcopy(model).to(device).train())
-    params = [[p for p in b.parameters() if p.requires_grad] for b in blocks]
-    x0 = map_tensors(lambda t: t.to(device), sample_input)
+
+
+def _one_pass(blocks: list[nn.Module], params: Sequence[Sequence[torch.Tensor]], x0: Any, device: torch.device
+              ) -> tuple[list[float], list[float], list[int]]:
+    """Every block's forward, then every block's backward from the last, each on its own detached input:
+    seconds forward and backward per block, and the bytes of each block's output."""
     cuda = device.type == "cuda"
 
     def clock() -> float:
@@ -122,36 +149,22 @@ def profile_blocks(
         return time.perf_counter()
 
     n = len(blocks)
-    fwd: list[list[float]] = [[] for _ in range(n)]
-    bwd: list[list[float]] = [[] for _ in range(n)]
-    out_bytes = [0] * n
-    with torch.random.fork_rng(devices=[device] if cuda else []):
-        torch.manual_seed(0)
-        for run in range(warmup + repeats):
-            timed = run >= warmup
-            x, saved = x0, []
-            for i, block in enumerate(blocks):
-                inp = _leaf(x, requires_grad=i > 0)
-                t0 = clock()
-                out = block(inp)
-                loss = _loss(out, device) if i == n - 1 else None
-                t1 = clock()
-                if timed:
-                    fwd[i].append(t1 - t0)
-                out_bytes[i] = activation_bytes(out)
-                saved.append((inp, loss if loss is not None else out))
-                x = out
-            grad: Any = torch.ones((), device=device)
-            for i in reversed(range(n)):
-                inp, out = saved[i]
-                t0 = clock()
-                grad = _backward(blocks[i], inp, out, grad, params[i])
-                t1 = clock()
-                if timed:
-                    bwd[i].append(t1 - t0)
-                saved.pop()
-    return [
-        BlockProfile(statistics.median(fwd[i]), statistics.median(bwd[i]), sum(p.numel() for p in blocks[i].parameters()),
-                     out_bytes[i])
-        for i in range(n)
-    ]
+    fwd, bwd, out_bytes = [0.0] * n, [0.0] * n, [0] * n
+    x, saved = x0, []
+    for i, block in enumerate(blocks):
+        inp = _leaf(x, requires_grad=i > 0)
+        t0 = clock()
+        out = block(inp)
+        loss = _loss(out, device) if i == n - 1 else None
+        fwd[i] = clock() - t0
+        out_bytes[i] = activation_bytes(out)
+        saved.append((inp, loss if loss is not None else out))
+        x = out
+    grad: Any = torch.ones((), device=device)
+    for i in reversed(range(n)):
+        inp, out = saved[i]
+        t0 = clock()
+        grad = _backward(blocks[i], inp, out, grad, params[i])
+        bwd[i] = clock() - t0
+        saved.pop()
+    return fwd, bwd, out_bytes

@@ -91,32 +91,48 @@ def min_max_split(costs: Sequence[float], stages: int) -> list[int]:
     Raises:
         PartitionError: for a negative, non-finite or non-numeric cost, or a bad ``stages``.
     """
+    costs = _checked(costs, stages)
+    prefix: list[float] = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    return _most_even(prefix, stages, _bottleneck(prefix, stages))
+
+
+def _checked(costs: Sequence[float], stages: int) -> list[float]:
+    """``costs`` as a list, each a finite number >= 0, with a valid ``stages`` for them."""
     costs = list(costs)
     for i, c in enumerate(costs):
         if isinstance(c, bool) or not isinstance(c, Real) or not math.isfinite(c) or c < 0:
             raise PartitionError(f"block cost costs[{i}]={c!r} must be a finite number >= 0")
     if isinstance(stages, bool) or not isinstance(stages, int):
         raise PartitionError(f"pipeline.stages={stages!r} must be an integer")
-    n = len(costs)
-    uniform(n, stages)  # the same errors for stages < 1 or more stages than blocks
-    prefix: list[float] = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    uniform(len(costs), stages)  # the same errors for stages < 1 or more stages than blocks
+    return costs
+
+
+def _bottleneck(prefix: list[float], stages: int) -> float:
+    """The smallest largest part over every split into ``stages`` parts (``prefix``: the costs' prefix sums)."""
+    n = len(prefix) - 1
+    # best[i]: the smallest largest part splitting blocks i.. into k parts (k grows).
+    best = [prefix[n] - prefix[i] for i in range(n + 1)]
+    for k in range(2, stages + 1):
+        best = [
+            min((max(prefix[j] - prefix[i], best[j]) for j in range(i + 1, n - k + 2)), default=math.inf)
+            if i <= n - k else math.inf
+            for i in range(n + 1)
+        ]
+    return best[0]
+
+
+def _most_even(prefix: list[float], stages: int, bound: float) -> list[int]:
+    """Among the splits with every part <= ``bound``, the one with the smallest (sum of squared costs, sum of
+    squared counts); scanning the first part from longest to shortest and keeping only strict improvements
+    picks the lexicographically largest counts among exact ties."""
+    n = len(prefix) - 1
 
     def part(i: int, j: int) -> float:
         return prefix[j] - prefix[i]
 
-    # best[i]: the smallest largest part splitting blocks i.. into k parts (k grows).
-    best = [part(i, n) for i in range(n + 1)]
-    for k in range(2, stages + 1):
-        best = [
-            min((max(part(i, j), best[j]) for j in range(i + 1, n - k + 2)), default=math.inf) if i <= n - k else math.inf
-            for i in range(n + 1)
-        ]
-    bound = best[0]
-    # Among splits with every part <= bound, minimise (sum of squared costs, sum of squared counts);
-    # scanning the first part from longest to shortest and keeping only strict improvements
-    # picks the lexicographically largest counts among exact ties.
     none: tuple[float, int] | None = None
     score = [((part(i, n) ** 2, (n - i) ** 2) if part(i, n) <= bound else none) for i in range(n + 1)]
     choices: list[list[int]] = []

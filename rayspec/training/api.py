@@ -1,5 +1,5 @@
 """The Python entry points: ``run`` (a ``Config`` or Hydra overrides, as ``python -m rayspec.train``) and ``fit``
-(blocks and data sets of your own). Both run the same trainer (``rayspec.training.train``): the driver actor,
+(blocks and data sets of your own). Both run the same trainer (``rayspec.training.run_training``): the driver actor,
 checkpoints, restarts, ``metrics.jsonl``, ``summary.json``, ``model.pt`` and the W&B logger of ``logger``; both
 return the run's ``RunSummary``."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +23,25 @@ from rayspec.data.custom import as_dataset
 from rayspec.errors import ConfigError
 from rayspec.models.custom import as_blocks
 from rayspec.training.callbacks import Callbacks
+from rayspec.training.console import ensure_console
 from rayspec.training.loggers import build_callbacks
+from rayspec.training.runner import run_training
 from rayspec.training.summary import RunSummary
-from rayspec.training.trainer import train
 
 __all__ = ["run", "fit", "new_run_dir"]
 
 
 def run(config: Config | Sequence[str] = (), run_dir: str | os.PathLike | None = None, *,
-        echo: Callable[[str], None] = print, callbacks: Sequence[Any] = ()) -> RunSummary:
+        callbacks: Sequence[Any] = ()) -> RunSummary:
     """Train as ``python -m rayspec.train`` would; returns the run's summary (``summary.json``).
 
     Args:
         config: a ``Config``, or Hydra overrides as on the command line (``["model=vgg16", "optim.lr=0.05"]``;
             ``hydra.searchpath=[file:///abs/dir]`` adds a config directory of your own).
         run_dir: where the run's files go; default ``outputs/DATE/TIME`` under the working directory, as Hydra's.
-        echo: prints one console line.
         callbacks: more callbacks: objects with any of the hooks of ``rayspec.Callback``, after the logger's.
+
+    The run's lines go to the ``rayspec`` loggers; to stdout unless logging is set up (``rayspec.training.console``).
 
     Raises:
         ConfigError: a setting that cannot work, or a callback with a misspelt hook; before anything runs.
@@ -52,13 +54,13 @@ def run(config: Config | Sequence[str] = (), run_dir: str | os.PathLike | None =
         config = from_mapping(compose(overrides))
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
     _save_config(config, run_dir)
-    summary = train(config, run_dir, echo=echo, callbacks=[*build_callbacks(config, run_dir, echo=echo), *hooks])
+    ensure_console()
+    summary = run_training(config, run_dir, callbacks=[*build_callbacks(config, run_dir), *hooks])
     return RunSummary.from_dict(summary)
 
 
 def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "spectrain", stages: int = 4,
-        run_dir: str | os.PathLike | None = None, echo: Callable[[str], None] = print,
-        callbacks: Sequence[Any] = (), **settings: Any) -> RunSummary:
+        run_dir: str | os.PathLike | None = None, callbacks: Sequence[Any] = (), **settings: Any) -> RunSummary:
     """Train ``blocks`` on ``train_data`` with ``method`` over ``stages`` pipeline stages; returns the run's summary
     (``summary.json``).
 
@@ -73,7 +75,6 @@ def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "sp
         method: ``spectrain``, ``pipedream``, ``gpipe``, ``async``, ``vanilla`` or ``dataparallel``.
         stages: pipeline stages (data-parallel workers for ``dataparallel``).
         run_dir: where the run's files go; default ``outputs/DATE/TIME``.
-        echo: prints one console line.
         callbacks: more callbacks: objects with any of the hooks of ``rayspec.Callback``.
         settings: any other setting: a section as a mapping (``optim={"lr": 0.05}``, ``train={"max_steps": 200}``,
             ``pipeline={"executor": "local"}``), a field of a section by its own name where only one section has
@@ -98,8 +99,9 @@ def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "sp
     config = apply_settings(described, settings)
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
     _save_config(config, run_dir)
-    summary = train(config, run_dir, echo=echo, callbacks=[*build_callbacks(config, run_dir, echo=echo), *hooks],
-                    model=model, data=DataBundle(train_set, val_set, None))
+    ensure_console()
+    summary = run_training(config, run_dir, callbacks=[*build_callbacks(config, run_dir), *hooks], model=model,
+                           data=DataBundle(train_set, val_set, None))
     model.load_state_dict(torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True))
     return RunSummary.from_dict(summary)
 

@@ -7,14 +7,16 @@ so they share ``fault.max_restarts`` and write the same records into ``summary.j
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 from rayspec.training.checkpoint import load_checkpoint
 
 __all__ = ["RunFailed", "StageDied", "Restarts", "death", "reraise"]
+
+log = logging.getLogger(__name__)
 
 
 class RunFailed(RuntimeError):
@@ -40,12 +42,12 @@ class Restarts:
 
     Args:
         max_restarts: restarts allowed in all (``fault.max_restarts``).
-        records: the restarts so far (``summary.json``'s ``restarts``), extended in place.
-        echo: prints one console line.
+        records: the restarts so far (``summary.json``'s ``restarts``), extended in place; none by default.
     """
 
-    def __init__(self, max_restarts: int, records: list[dict[str, Any]], echo: Callable[[str], None]) -> None:
-        self.max_restarts, self.records, self.echo = max_restarts, records, echo
+    def __init__(self, max_restarts: int, records: list[dict[str, Any]] | None = None) -> None:
+        self.max_restarts = max_restarts
+        self.records: list[dict[str, Any]] = [] if records is None else records
 
     def restart(self, kind: str, why: str, failed_at_update: int, latest: Path | None, cause: BaseException,
                 where: str = "") -> dict[str, Any] | None:
@@ -54,7 +56,7 @@ class Restarts:
 
         Args:
             kind: what died, ``stage`` or ``driver``.
-            where: appended to the console line (e.g. `` in a new driver actor``).
+            where: appended to the logged line (e.g. `` in a new driver actor``).
         """
         failed_at = time.time()
         if len(self.records) >= self.max_restarts:
@@ -68,8 +70,8 @@ class Restarts:
         failed_at_update = max(failed_at_update, step)
         self.records.append({"kind": kind, "failed_at_update": failed_at_update, "resumed_from": step,
                              "lost_updates": failed_at_update - step, "error": why, "failed_at": failed_at})
-        self.echo(f"restart {len(self.records)}/{self.max_restarts}: {why}; resuming from update {step} "
-                  f"({latest or 'the start'}){where}")
+        log.info("restart %d/%d: %s; resuming from update %d (%s)%s", len(self.records), self.max_restarts, why, step,
+                 latest or "the start", where)
         return resume
 
 

@@ -1,6 +1,6 @@
 """Experiment loggers for the driver: W&B (online, or offline when no API key is configured).
 
-Loggers are trainer callbacks (``on_start``, ``on_metrics``, ``on_end``; see ``rayspec.training.trainer.train``)
+Loggers are trainer callbacks (``on_start``, ``on_metrics``, ``on_end``; see ``rayspec.training.runner.run_training``)
 and run on the driver only: stage actors never talk to W&B. ``build_callbacks`` turns the
 ``logger`` section of the config into callbacks.
 
@@ -24,7 +24,6 @@ import logging
 import netrc
 import os
 import secrets
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -93,7 +92,6 @@ class WandbLogger:
         mode: ``auto`` (online with an API key, else offline), ``online``, ``offline`` or ``disabled``.
         notes: free text stored with the run.
         job_type: W&B job type, e.g. ``train`` or ``sweep-trial``.
-        echo: prints one console line (used once, to say where an offline run went).
     """
 
     def __init__(
@@ -108,7 +106,6 @@ class WandbLogger:
         mode: str = "auto",
         notes: str | None = None,
         job_type: str = "train",
-        echo: Callable[[str], None] = print,
     ) -> None:
         if mode not in WANDB_MODES:
             raise ConfigError(f"logger.mode={mode!r} is unknown; choose one of {', '.join(WANDB_MODES)}")
@@ -117,7 +114,6 @@ class WandbLogger:
                         "notes": notes, "job_type": job_type}
         self.id = id
         self.mode, self.reason = wandb_mode(mode)
-        self.echo = echo
         self.run: Any = None
         self.resumed: tuple[int, Path | None] | None = None
         self.next_step = 0
@@ -134,8 +130,8 @@ class WandbLogger:
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.mode == "offline":
-            self.echo(f"W&B: {self.reason}; logging offline under {self.run_dir / 'wandb'} "
-                      f"(upload later with `wandb sync {self.run_dir / 'wandb'}/offline-run-*`)")
+            log.info("W&B: %s; logging offline under %s (upload later with `wandb sync %s/offline-run-*`)", self.reason,
+                     self.run_dir / "wandb", self.run_dir / "wandb")
         run_id = self.id or (config.logger or {}).get("id") or new_wandb_id()
         self.run = wandb.init(dir=str(self.run_dir), config=dataclasses.asdict(config), mode=self.mode,  # type: ignore[arg-type]
                               id=run_id, resume="allow", reinit="finish_previous", **self.options)
@@ -155,7 +151,7 @@ class WandbLogger:
         self.next_step = max(held) + 1
         again = f"; updates {step + 1}-{self.next_step - 1} are in W&B already and are not sent again" \
             if self.next_step > step + 1 else ""
-        self.echo(f"W&B: continuing run {run_id} from update {step}{again}")
+        log.info("W&B: continuing run %s from update %s%s", run_id, step, again)
 
     def _record(self, last_step: int) -> None:
         """Write ``RUN_DIR/wandb.json``: the W&B run and the last step sent."""
@@ -223,7 +219,6 @@ def build_callbacks(
     run_dir: str | os.PathLike,
     group: str | None = None,
     name: str | None = None,
-    echo: Callable[[str], None] = print,
     job_type: str = "train",
 ) -> list[Any]:
     """The trainer callbacks the ``logger`` section asks for: none, or a ``WandbLogger``.
@@ -247,4 +242,4 @@ def build_callbacks(
     opts.setdefault("mode", "auto")
     opts["mode"] = opts["mode"] or "auto"
     opts["tags"] = list(opts.get("tags") or [])
-    return [WandbLogger(run_dir, echo=echo, job_type=job_type, **opts)]
+    return [WandbLogger(run_dir, job_type=job_type, **opts)]

@@ -3,10 +3,12 @@ actor died, and the run directory's files (docs/design.md §5)."""
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,80 +16,68 @@ import torch
 from rayspec.core.methods import METHODS
 from rayspec.core.predict import window as prediction_window
 from rayspec.core.schedule import build_schedule
-from rayspec.core.stage import Stage
+from rayspec.core.stage import Stage, make_stages
 from rayspec.data.loader import train_batches
 from rayspec.exec import Executor, LocalExecutor
-from rayspec.training.callbacks import Callbacks
-from rayspec.training.checkpoint import CheckpointStore, payload
-from rayspec.training.failures import Restarts, StageDied, reraise
-from rayspec.training.prepare import Prepared, build_stages, split_batches
+from rayspec.partition import split
+from rayspec.training.checkpoint import payload
+from rayspec.training.context import RunContext
+from rayspec.training.failures import StageDied, reraise
+from rayspec.training.prepare import Prepared, stage_settings
 from rayspec.training.progress import Progress, keep_metrics
 from rayspec.training.report import evaluate, report_stages, write_summary
 from rayspec.training.resplit import resumed_states
 from rayspec.training.trace import bubble_fraction, write_chrome_trace, write_gantt
 
-__all__ = ["run", "make_executor"]
+__all__ = ["run", "make_executor", "build_stages", "split_batches"]
+
+log = logging.getLogger(__name__)
 
 
-def make_executor(prepared: Prepared, stages: list[Stage], placement_group: Any = None, bundle_offset: int = 0) -> Executor:
+def run(ctx: RunContext) -> dict[str, Any]:
+    """Run to the end from ``ctx.resume``; when a stage actor dies, restart from the last checkpoint, up to
+    ``fault.max_restarts`` restarts in all (``ctx.restarts``, which may hold a lost driver's restarts already)."""
+    return _RunLoop(ctx).run()
+
+
+def build_stages(prepared: Prepared, device: str = "cpu", record: bool = False) -> list[Stage]:
+    """Cut the model along the balance into stages with the method's policy and the optimizer settings."""
+    c = prepared.config
+    parts = split(copy.deepcopy(prepared.model), prepared.balance)
+    return make_stages(parts, c.pipeline.method, group=c.pipeline.group, device=device, record=record,
+                       **stage_settings(c))
+
+
+def split_batches(batches: Iterator[tuple[torch.Tensor, ...]], group: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each batch as ``group`` equal micro-batches, in order."""
+    for x, y in batches:
+        if group == 1:
+            yield x, y
+        else:
+            yield from zip(x.chunk(group), y.chunk(group))
+
+
+def make_executor(ctx: RunContext, stages: list[Stage]) -> Executor:
     """The configured executor; on Ray, starts Ray when needed, and places stage ``k`` in bundle
-    ``bundle_offset + k`` of ``placement_group`` if given."""
-    p = prepared.config.pipeline
+    ``ctx.bundle_offset + k`` of ``ctx.placement_group`` if given."""
+    p = ctx.config.pipeline
     if p.executor == "local":
         return LocalExecutor(stages, p.method, p.variant)
     from rayspec.exec.ray import RayExecutor  # Ray only for a Ray run
     from rayspec.exec.ray.cluster import bundle_resources, stage_resources
     from rayspec.exec.ray.connect import ensure_ray
 
-    ensure_ray(prepared.config.ray)
+    ensure_ray(ctx.config.ray)
     cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages)
-    if placement_group is not None:  # what the bundles hold, unless set
-        held = bundle_resources(placement_group, bundle_offset)
+    if ctx.placement_group is not None:  # what the bundles hold, unless set
+        held = bundle_resources(ctx.placement_group, ctx.bundle_offset)
         cpus = cpus if p.cpus_per_stage is not None else held[0]
         gpus = gpus if p.gpus_per_stage is not None else held[1]
     return RayExecutor(
         stages, p.method, p.variant, transport=p.transport, cpus_per_stage=cpus, gpus_per_stage=gpus,
-        max_in_flight=p.max_in_flight, placement_strategy=p.placement.upper(), placement_group=placement_group,
-        bundle_offset=bundle_offset,
+        max_in_flight=p.max_in_flight, placement_strategy=p.placement.upper(), placement_group=ctx.placement_group,
+        bundle_offset=ctx.bundle_offset,
     )
-
-
-def run(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbacks: Sequence[Any],
-        placement_group: Any, bundle_offset: int, *, resume: dict[str, Any] | None | str = "prepared",
-        resume_path: Path | None = None, restarts: list[dict[str, Any]] | None = None,
-        started: float | None = None) -> dict[str, Any]:
-    """Run to the end; when a stage actor dies, restart from the last checkpoint up to ``fault.max_restarts`` times.
-
-    ``resume`` (the loaded checkpoint at ``resume_path``), ``restarts`` (the restarts so far, which count
-    towards ``fault.max_restarts``) and ``started`` (``time.time()`` of the run's start) continue a run
-    whose driver was lost; by default the run starts from ``prepared.resume``.
-    """
-    c = prepared.config
-    if prepared.checkpoints is None:
-        raise ValueError("a run needs its checkpoint folder: prepare() it with the run directory")
-    store = CheckpointStore(prepared.checkpoints, c.checkpoint.keep)
-    store.last_saved = resume_path  # a lost driver's newest checkpoint, which this run goes on from
-    policy = Restarts(c.fault.max_restarts, [] if restarts is None else restarts, echo)
-    if isinstance(resume, str):
-        resume = prepared.resume
-    wall_start = time.time() if started is None else started
-    live: list[Executor] = []  # the executor kept across a restart, to replace only its dead actors
-    while True:
-        try:
-            return _run_segments(prepared, run_dir, echo, callbacks, placement_group, bundle_offset, store, resume,
-                                 policy.records, wall_start, live)
-        except StageDied as err:
-            try:
-                resume = policy.restart("stage", str(err), err.updates, _last(store, prepared), err.__cause__ or err)
-            except BaseException:
-                for executor in live:
-                    executor.close()
-                raise
-
-
-def _last(store: CheckpointStore, prepared: Prepared) -> Path | None:
-    """The checkpoint this run would continue from: its newest own one, else the one it resumed from."""
-    return store.last_saved or prepared.resume_path
 
 
 def _boundary(done: int, end: int, *every: int) -> int:
@@ -95,117 +85,175 @@ def _boundary(done: int, end: int, *every: int) -> int:
     return min([end] + [(done // e + 1) * e for e in every if e])
 
 
-def _run_segments(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbacks: Sequence[Any],
-                  placement_group: Any, bundle_offset: int, store: CheckpointStore, resume: dict[str, Any] | None,
-                  restarts: list[dict[str, Any]], wall_start: float, live: list[Executor]) -> dict[str, Any]:
-    c, p, ck = prepared.config, prepared.config.pipeline, prepared.config.checkpoint
-    stages = build_stages(prepared)  # on CPU; a stage actor given a GPU moves its stage there
-    done, run_s, evals = 0, 0.0, {}
-    changes: list[dict[str, Any]] = []  # re-splits of the run's state onto another partition, oldest first
-    if resume is not None:
-        states, changes = resumed_states(resume, prepared.model, prepared.balance, c.seed)
-        for stage, state in zip(stages, states):
-            stage.load_checkpoint_state(state)
-        done, run_s, evals = resume["step"], float(resume["train_s"]), json.loads(resume["evals"])
-    group, end = p.group, c.train.max_steps
-    method = METHODS[p.method]
-    assert method.schedule is not None  # prepare() sent the methods without a pipeline elsewhere
-    stream = split_batches(train_batches(prepared.data.train, c.train.batch_size, c.seed, start=done), group)
-    keep_metrics(run_dir / "metrics.jsonl", done)
-    segments: list[tuple[float, float]] = []
-    scoring = method.predicts and p.probe > 0
-    last_scored: list[dict[str, Any]] | None = None  # stage stats at the last evaluation: prediction scores per window
-    with open(run_dir / "metrics.jsonl", "a") as metrics:
-        executor = _executor(prepared, stages, placement_group, bundle_offset, live, restarts, echo, done)
+@dataclass
+class _Tally:
+    """Where an attempt stands: updates done, seconds trained, the last evaluation and the re-splits so far."""
+
+    done: int = 0
+    train_s: float = 0.0
+    evals: dict[str, float] = field(default_factory=dict)
+    changes: list[dict[str, Any]] = field(default_factory=list)
+    """Re-splits of the run's state onto another partition, oldest first."""
+    segments: list[tuple[float, float]] = field(default_factory=list)
+    """Wall-clock spans of the pipeline's runs, for the trace's bubble fraction."""
+
+
+@dataclass
+class _Outcome:
+    """What the executor holds at the end of the run: weights, stage stats, the trace, where the stages ran."""
+
+    state: dict[str, torch.Tensor]
+    stats: list[dict]
+    timeline: list | None
+    nodes: list[str] | None
+    transport: str
+
+
+def _restored(stages: list[Stage], resume: dict[str, Any] | None, prepared: Prepared) -> _Tally:
+    """Load the checkpoint ``resume`` into ``stages`` (re-split when the partition changed); where it stood."""
+    if resume is None:
+        return _Tally()
+    states, changes = resumed_states(resume, prepared.model, prepared.balance, prepared.config.seed)
+    for stage, state in zip(stages, states):
+        stage.load_checkpoint_state(state)
+    return _Tally(resume["step"], float(resume["train_s"]), json.loads(resume["evals"]), changes)
+
+
+class _RunLoop:
+    """The attempts of one pipeline run, and the executor that outlives a failed one."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.executor: Executor | None = None
+        """The live executor. After a stage actor died it is kept when it can revive, to replace only its dead
+        actors; this loop closes it at the end or on a failure it does not restart from."""
+
+    def run(self) -> dict[str, Any]:
+        ctx, resume = self.ctx, self.ctx.resume
         try:
-            if restarts and "recovery_s" not in restarts[-1]:
-                restarts[-1]["recovery_s"] = time.time() - restarts[-1]["failed_at"]
-                Callbacks.of(callbacks).on_restart(len(restarts) - 1, dict(restarts[-1]))
-            progress = Progress(c, metrics, echo, callbacks)
-            progress.updates, progress.t0 = done, time.perf_counter() - run_s
-            if scoring and done:  # resumed: windows count from here, as they would have without the restart
-                last_scored = executor.stage_stats()
-            try:  # every executor call: a stage can die in any of them
-                while done < end:
-                    updates = _boundary(done, end, c.train.eval_every, ck.every) - done
-                    schedule = build_schedule(method.schedule, p.stages, updates * group, group=group)
-                    t0, wall0 = time.perf_counter(), time.time()
-                    executor.run(schedule, stream, on_loss=progress.loss)
-                    run_s += time.perf_counter() - t0
-                    segments.append((wall0, time.time()))
-                    done += updates
-                    if prepared.data.val is not None and (done == end or (c.train.eval_every and done % c.train.eval_every == 0)):
-                        weights = executor.state_dict()
-                        Callbacks.of(callbacks).on_weights(done, weights)
-                        evals = evaluate(prepared.model, weights, prepared.data.val, c.train.eval_batch_size)
-                        scored = {}
-                        if scoring:
-                            scored_stats = executor.stage_stats()
-                            scored, last_scored = prediction_window(scored_stats, last_scored), scored_stats
-                        progress.write({"step": done, **evals, **scored})
-                        echo(f"eval  {done:>6}  val_loss {evals['val_loss']:.4f}  val_accuracy {evals['val_accuracy']:.4f}")
-                    if done == end or (ck.every and done % ck.every == 0):
-                        store.save(done, payload(c, prepared.balance, executor.checkpoint_states(), run_s, evals,
-                                                         changes))
-                progress.flush()
-                state = executor.state_dict()
-                stats = executor.stage_stats()
-                timeline = executor.timeline() if c.trace else None
-                nodes = executor.node_ids()
-            except Exception as err:
-                reraise(err, progress.updates, _last(store, prepared))
-        except StageDied:
-            if not executor.can_revive:
-                executor.close()
-                live.clear()
-            raise  # the executor stays in ``live`` for run() to revive
+            while True:
+                try:
+                    return self._attempt(resume)
+                except StageDied as err:
+                    if self.executor is not None and not self.executor.can_revive:
+                        self._close()
+                    resume = ctx.restarts.restart("stage", str(err), err.updates, ctx.last_checkpoint(),
+                                                  err.__cause__ or err)
         except BaseException:
-            executor.close()
-            live.clear()
+            self._close()
             raise
-        executor.close()
-        live.clear()
-    torch.save(state, run_dir / "model.pt")
-    # Idle share of stage time while the pipeline ran (evaluations excluded); exact action spans with a trace.
-    # The stages' counters start afresh at a re-split: their share is of the time since.
-    bubble = 1.0 - report_stages(stats, run_s - (changes[-1]["train_s"] if changes else 0.0), echo)
-    if timeline is not None:
-        bubble = bubble_fraction(timeline, segments)
-        write_chrome_trace(timeline, run_dir / "trace.json", name=f"rayspec {p.method} {p.stages} stages")
-        write_gantt(timeline, run_dir / "timeline.png", title=f"{p.method} on {p.stages} stages, {c.model_name}")
-        echo(f"trace: {run_dir / 'trace.json'} (open in https://ui.perfetto.dev), {run_dir / 'timeline.png'}")
-    sent = sum(sum(st["sent_bytes"].values()) for st in stats)
-    summary = write_summary(prepared, run_dir, echo, transport=executor.transport, updates=done,
-                            last_loss=progress.last_loss, evals=evals, train_s=run_s, wall_s=time.time() - wall_start,
-                            bubble=bubble, bytes_per_update=sent / max(done, 1), stats=stats,
-                            extra={"restarts": restarts, "checkpoint": str(_last(store, prepared)),
-                                   **({"stage_nodes": nodes, "driver_node": _this_node()} if nodes else {}),
-                                   "resumed_from": None if prepared.resume is None else prepared.resume["step"],
-                                   "layout_changes": changes})
-    return summary
 
+    def _attempt(self, resume: dict[str, Any] | None) -> dict[str, Any]:
+        """Train from ``resume`` to the end, then write ``model.pt``, the trace and ``summary.json``."""
+        ctx = self.ctx
+        stages = build_stages(ctx.prepared)  # on CPU; a stage actor given a GPU moves its stage there
+        tally = _restored(stages, resume, ctx.prepared)
+        keep_metrics(ctx.run_dir / "metrics.jsonl", tally.done)
+        with open(ctx.run_dir / "metrics.jsonl", "a") as metrics:
+            executor = self._open(stages, tally.done)
+            self._note_recovery()
+            progress = Progress(ctx.config, metrics, ctx.callbacks)
+            progress.updates, progress.t0 = tally.done, time.perf_counter() - tally.train_s
+            try:  # every executor call: a stage can die in any of them
+                self._train(executor, progress, tally)
+                progress.flush()
+                outcome = _Outcome(executor.state_dict(), executor.stage_stats(),
+                                   executor.timeline() if ctx.config.trace else None, executor.node_ids(),
+                                   executor.transport)
+            except Exception as err:
+                reraise(err, progress.updates, ctx.last_checkpoint())
+        self._close()
+        return self._report(outcome, tally, progress.last_loss)
 
-def _executor(prepared: Prepared, stages: list[Stage], placement_group: Any, bundle_offset: int, live: list[Executor],
-              restarts: list[dict[str, Any]], echo: Callable[[str], None], done: int) -> Executor:
-    """The executor for ``stages``: after a stage actor died, the live one with only its dead actors replaced
-    (``Executor.revive``); else, or when that fails, a new one. ``live`` holds it between attempts."""
-    if live:
-        old = live.pop()
+    def _open(self, stages: list[Stage], done: int) -> Executor:
+        """The executor for ``stages``: after a stage actor died, the live one with only its dead actors replaced
+        (``Executor.revive``); else, or when that fails, a new one."""
+        if self.executor is not None:
+            try:
+                replaced = self.executor.revive(stages)
+                self.ctx.restarts.records[-1]["replaced_stages"] = replaced
+                log.info("replaced stage actor(s) %s; the others were reloaded", ", ".join(map(str, replaced)) or "none")
+                return self.executor
+            except Exception as err:
+                log.info("could not revive the stage actors (%s); starting new ones", err)
+                self._close()
         try:
-            replaced = old.revive(stages)
-            restarts[-1]["replaced_stages"] = replaced
-            echo(f"replaced stage actor(s) {', '.join(map(str, replaced)) or 'none'}; the others were reloaded")
-            live.append(old)
-            return old
+            self.executor = make_executor(self.ctx, stages)
         except Exception as err:
-            echo(f"could not revive the stage actors ({err}); starting new ones")
-            old.close()
-    try:
-        executor = make_executor(prepared, stages, placement_group, bundle_offset)
-    except Exception as err:
-        reraise(err, done)
-    live.append(executor)
-    return executor
+            reraise(err, done)
+        return self.executor
+
+    def _close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+
+    def _note_recovery(self) -> None:
+        """After a restart: its recovery time, now that the stages run again, and ``on_restart``."""
+        records = self.ctx.restarts.records
+        if records and "recovery_s" not in records[-1]:
+            records[-1]["recovery_s"] = time.time() - records[-1]["failed_at"]
+            self.ctx.callbacks.on_restart(len(records) - 1, dict(records[-1]))
+
+    def _train(self, executor: Executor, progress: Progress, tally: _Tally) -> None:
+        """Run the schedule segment by segment up to ``train.max_steps``, evaluating and checkpointing between."""
+        ctx, c = self.ctx, self.ctx.config
+        p, ck, end = c.pipeline, c.checkpoint, c.train.max_steps
+        method = METHODS[p.method]
+        assert method.schedule is not None  # prepare() sent the methods without a pipeline elsewhere
+        stream = split_batches(train_batches(ctx.prepared.data.train, c.train.batch_size, c.seed, start=tally.done),
+                               p.group)
+        scoring = method.predicts and p.probe > 0
+        # Stage stats at the last evaluation, for prediction scores per window; a resumed run's windows count
+        # from here, as they would have without the restart.
+        last_scored = executor.stage_stats() if scoring and tally.done else None
+        while tally.done < end:
+            updates = _boundary(tally.done, end, c.train.eval_every, ck.every) - tally.done
+            schedule = build_schedule(method.schedule, p.stages, updates * p.group, group=p.group)
+            t0, wall0 = time.perf_counter(), time.time()
+            executor.run(schedule, stream, on_loss=progress.loss)
+            tally.train_s += time.perf_counter() - t0
+            tally.segments.append((wall0, time.time()))
+            tally.done += updates
+            done = tally.done
+            if ctx.prepared.data.val is not None and (done == end or (c.train.eval_every and done % c.train.eval_every == 0)):
+                weights = executor.state_dict()
+                ctx.callbacks.on_weights(done, weights)
+                tally.evals = evaluate(ctx.prepared.model, weights, ctx.prepared.data.val, c.train.eval_batch_size)
+                scored: dict[str, Any] = {}
+                if scoring:
+                    stats = executor.stage_stats()
+                    scored, last_scored = prediction_window(stats, last_scored), stats
+                progress.write({"step": done, **tally.evals, **scored})
+                log.info("eval  %6d  val_loss %.4f  val_accuracy %.4f", done, tally.evals["val_loss"],
+                         tally.evals["val_accuracy"])
+            if done == end or (ck.every and done % ck.every == 0):
+                ctx.store.save(done, payload(c, ctx.prepared.balance, executor.checkpoint_states(), tally.train_s,
+                                             tally.evals, tally.changes))
+
+    def _report(self, outcome: _Outcome, tally: _Tally, last_loss: float) -> dict[str, Any]:
+        """Write ``model.pt``, the trace when asked for and ``summary.json``; log the stages' lines."""
+        ctx, c = self.ctx, self.ctx.config
+        p, run_dir = c.pipeline, ctx.run_dir
+        torch.save(outcome.state, run_dir / "model.pt")
+        # Idle share of stage time while the pipeline ran (evaluations excluded); exact action spans with a trace.
+        # The stages' counters start afresh at a re-split: their share is of the time since.
+        since = tally.train_s - (tally.changes[-1]["train_s"] if tally.changes else 0.0)
+        bubble = 1.0 - report_stages(outcome.stats, since)
+        if outcome.timeline is not None:
+            bubble = bubble_fraction(outcome.timeline, tally.segments)
+            write_chrome_trace(outcome.timeline, run_dir / "trace.json", name=f"rayspec {p.method} {p.stages} stages")
+            write_gantt(outcome.timeline, run_dir / "timeline.png", title=f"{p.method} on {p.stages} stages, {c.model_name}")
+            log.info("trace: %s (open in https://ui.perfetto.dev), %s", run_dir / "trace.json", run_dir / "timeline.png")
+        sent = sum(sum(st["sent_bytes"].values()) for st in outcome.stats)
+        nodes = {"stage_nodes": outcome.nodes, "driver_node": _this_node()} if outcome.nodes else {}
+        resumed = ctx.prepared.resume
+        return write_summary(
+            ctx.prepared, run_dir, transport=outcome.transport, updates=tally.done, last_loss=last_loss,
+            evals=tally.evals, train_s=tally.train_s, wall_s=time.time() - ctx.started, bubble=bubble,
+            bytes_per_update=sent / max(tally.done, 1), stats=outcome.stats,
+            extra={"restarts": ctx.restarts.records, "checkpoint": str(ctx.last_checkpoint()), **nodes,
+                   "resumed_from": None if resumed is None else resumed["step"], "layout_changes": tally.changes})
 
 
 def _this_node() -> str:

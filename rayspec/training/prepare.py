@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,6 @@ from torch.utils.data import Subset, TensorDataset
 from rayspec.config import Config
 from rayspec.core.lr import LRSchedule
 from rayspec.core.methods import METHODS
-from rayspec.core.stage import Stage, make_stages
 from rayspec.data import DataBundle, DataInfo, build_data
 from rayspec.data.custom import build_target_data
 from rayspec.data.loader import eval_batches
@@ -31,14 +28,12 @@ from rayspec.partition import (
     check_balance,
     choose_partition,
     profile_blocks,
-    split,
     uniform,
 )
 from rayspec.targets import TARGET
 from rayspec.training.checkpoint import CheckpointStore, check_compatible, load_checkpoint, resolve_resume
 
-__all__ = ["Prepared", "prepare", "profile_sample", "replan", "lr_schedule", "stage_settings", "build_stages",
-           "split_batches"]
+__all__ = ["Prepared", "prepare", "profile_sample", "replan", "lr_schedule", "stage_settings"]
 
 
 @dataclass
@@ -193,20 +188,3 @@ def stage_settings(config: Config) -> dict[str, Any]:
             "dampening": o.dampening, "nesterov": o.nesterov, "betas": tuple(o.betas), "eps": o.eps, "fused": o.fused,
             "clip_grad_norm": o.clip_grad_norm, "precision": config.train.precision, "backward": p.backward,
             "seed": config.seed, "trace": config.trace, "predictor": p.predictor, "probe": p.probe}
-
-
-def build_stages(prepared: Prepared, device: str = "cpu", record: bool = False) -> list[Stage]:
-    """Cut the model along the balance into stages with the method's policy and the optimizer settings."""
-    c = prepared.config
-    parts = split(copy.deepcopy(prepared.model), prepared.balance)
-    return make_stages(parts, c.pipeline.method, group=c.pipeline.group, device=device, record=record,
-                       **stage_settings(c))
-
-
-def split_batches(batches: Iterator[tuple[torch.Tensor, ...]], group: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Each batch as ``group`` equal micro-batches, in order."""
-    for x, y in batches:
-        if group == 1:
-            yield x, y
-        else:
-            yield from zip(x.chunk(group), y.chunk(group))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from rayspec.training.callbacks import Callbacks
 from rayspec.training.prepare import lr_schedule
 
 __all__ = ["Progress", "duration", "keep_metrics"]
+
+log = logging.getLogger(__name__)
 
 
 def duration(seconds: float) -> str:
@@ -23,17 +26,16 @@ def duration(seconds: float) -> str:
 
 
 class Progress:
-    """Turns per-micro-batch losses into per-update records, console lines and ``metrics.jsonl``.
+    """Turns per-micro-batch losses into per-update records, logged progress lines and ``metrics.jsonl``.
 
     Args:
         config: the run's settings.
         metrics: the open ``metrics.jsonl``.
-        echo: prints one console line.
         callbacks: get every record (``on_metrics``).
     """
 
-    def __init__(self, config: Config, metrics: Any, echo: Callable[[str], None], callbacks: Sequence[Any] = ()) -> None:
-        self.c, self.metrics, self.echo, self.callbacks = config, metrics, echo, Callbacks.of(callbacks)
+    def __init__(self, config: Config, metrics: Any, callbacks: Sequence[Any] = ()) -> None:
+        self.c, self.metrics, self.callbacks = config, metrics, Callbacks.of(callbacks)
         self.group = config.pipeline.group
         self.lr = lr_schedule(config)
         self.t0 = time.perf_counter()
@@ -54,7 +56,7 @@ class Progress:
             self.flush()
 
     def flush(self) -> None:
-        """Write the record of the updates since the last one, and its console line."""
+        """Write the record of the updates since the last one, and log its progress line."""
         if not self.window:
             return
         elapsed = time.perf_counter() - self.t0
@@ -66,8 +68,8 @@ class Progress:
         self.write(rec)
         total = self.c.train.max_steps
         filled = int(20 * self.updates / total)
-        self.echo(f"step {self.updates:>6}/{total} [{'#' * filled}{'.' * (20 - filled)}] {self.updates / total:4.0%}  "
-                  f"loss {self.last_loss:.4f}  {rate:8.1f} samples/s  eta {duration(eta)}")
+        log.info("step %6d/%d [%s] %3.0f%%  loss %.4f  %8.1f samples/s  eta %s", self.updates, total,
+                 "#" * filled + "." * (20 - filled), self.updates / total * 100, self.last_loss, rate, duration(eta))
         self.window = []
 
     def write(self, rec: dict) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,8 @@ from rayspec.partition import human_bytes
 from rayspec.training.prepare import Prepared
 
 __all__ = ["evaluate", "report_stages", "write_summary", "model_size"]
+
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -35,9 +37,8 @@ def evaluate(model: nn.Module, state: dict[str, torch.Tensor], dataset: Any, bat
     return {"val_loss": loss / total, "val_accuracy": correct / total}
 
 
-def report_stages(stats: list[dict], seconds: float, echo: Callable[[str], None], who: str = "stage",
-                  sent: str = "sent") -> float:
-    """Add ``busy_fraction`` (busy share of ``seconds``) to each stage's stats, print one line per stage,
+def report_stages(stats: list[dict], seconds: float, who: str = "stage", sent: str = "sent") -> float:
+    """Add ``busy_fraction`` (busy share of ``seconds``) to each stage's stats, log one line per stage,
     and return the mean busy fraction."""
     fractions = []
     for st in stats:
@@ -48,15 +49,15 @@ def report_stages(stats: list[dict], seconds: float, echo: Callable[[str], None]
         scored = st.get("prediction") or {}
         quality = (f"  prediction quality {scored['quality']:.3f} (best scale {scored['best_scale']:.2f}, "
                    f"{scored['actions']} scored)" if scored.get("quality") is not None else "")
-        echo(f"{who} {st['stage']}: busy {st['busy_fraction']:.0%}  {per:.2f} ms/action  version {st['version']}  "
-             f"{sent} {human_bytes(sum(st['sent_bytes'].values()))}{quality}")
+        log.info("%s %s: busy %.0f%%  %.2f ms/action  version %s  %s %s%s", who, st["stage"], st["busy_fraction"] * 100,
+                 per, st["version"], sent, human_bytes(sum(st["sent_bytes"].values())), quality)
     return max(0.0, min(1.0, sum(fractions) / max(len(fractions), 1)))
 
 
-def write_summary(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], *, transport: str, updates: int,
+def write_summary(prepared: Prepared, run_dir: Path, *, transport: str, updates: int,
                   last_loss: float, evals: dict[str, float], train_s: float, wall_s: float, bubble: float,
                   bytes_per_update: float, stats: list[dict], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The run's ``summary.json`` (docs/design.md §5), the same keys for every method; written, echoed and returned."""
+    """The run's ``summary.json`` (docs/design.md §5), the same keys for every method; written, logged and returned."""
     c, p = prepared.config, prepared.config.pipeline
     summary = {
         "method": p.method, "variant": p.variant, "stages": p.stages, "model": c.model_name,
@@ -68,8 +69,8 @@ def write_summary(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
         "seed": c.seed, **(extra or {}), "stage_stats": stats, "config": asdict(c),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    echo(f"done: {updates} updates, final loss {last_loss:.4f}, val_accuracy {summary['val_accuracy']}, "
-         f"{summary['samples_per_s']:.1f} samples/s; wrote {run_dir}")
+    log.info("done: %d updates, final loss %.4f, val_accuracy %s, %.1f samples/s; wrote %s", updates, last_loss,
+             summary["val_accuracy"], summary["samples_per_s"], run_dir)
     return summary
 
 

@@ -29,7 +29,6 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -45,8 +44,8 @@ _ATTEMPT_S = 31.0
 """What one of ``ray.init``'s attempts to reach a GCS can take (``RAY_py_gcs_connect_timeout_s`` + 1 s)."""
 
 
-def ensure_ray(options: RayConfig, echo: Callable[[str], None] | None = None) -> None:
-    """Start or join Ray as ``options`` say, unless Ray runs in this process already; say which in one line.
+def ensure_ray(options: RayConfig) -> None:
+    """Start or join Ray as ``options`` say, unless Ray runs in this process already; log which in one line.
 
     Raises:
         ConfigError: the head at the address does not answer within ``ray.connect_timeout_s`` (the message names
@@ -54,13 +53,12 @@ def ensure_ray(options: RayConfig, echo: Callable[[str], None] | None = None) ->
     """
     if ray.is_initialized():
         return
-    say = echo or log.info
     address, source = resolve_address(options.address)
     if address is None:
         ray.init(address="local", num_cpus=options.num_cpus, include_dashboard=False,
                  log_to_driver=options.log_to_driver)
         cpus = ray.cluster_resources().get("CPU", 0)
-        say(f"Ray: started a local instance with {cpus:g} CPUs ({source})")
+        log.info("Ray: started a local instance with %g CPUs (%s)", cpus, source)
         return
     if options.num_cpus is not None:
         raise ConfigError(
@@ -83,7 +81,7 @@ def ensure_ray(options: RayConfig, echo: Callable[[str], None] | None = None) ->
             os.environ.pop("RAY_gcs_server_port_wait_time_s", None)
         else:
             os.environ["RAY_gcs_server_port_wait_time_s"] = before
-    say(f"Ray: joined the cluster at {address} ({source})")
+    log.info("Ray: joined the cluster at %s (%s)", address, source)
 
 
 _FIXES = ("start its head (`ray start --head`), give the address of a live head (ray.address=HOST:PORT), "
