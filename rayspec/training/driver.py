@@ -40,7 +40,6 @@ from rayspec.exec.ray.cluster import (
     stage_resources,
 )
 from rayspec.exec.ray.connect import ensure_ray
-from rayspec.training.callbacks import Callbacks
 from rayspec.training.checkpoint import CheckpointStore
 from rayspec.training.console import ROOT, relayed_to
 from rayspec.training.context import RunContext
