@@ -9,6 +9,7 @@ layers below (methods, transports, predictors, learning-rate schedules, partitio
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from rayspec.config.checks import choice, integer, number, optional_integer
@@ -23,6 +24,8 @@ from rayspec.partition import PARTITIONS
 
 __all__ = ["PipelineConfig", "OptimConfig", "TrainConfig", "CheckpointConfig", "FaultConfig", "RayConfig",
            "EXECUTORS", "PLACEMENTS"]
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # a URI's start: scheme://
 
 EXECUTORS = ("local", "ray")
 PLACEMENTS = ("pack", "spread")
@@ -209,16 +212,33 @@ class CheckpointConfig:
     keep: int = 3
     """Newest checkpoints kept; older ones are deleted."""
     dir: str | None = None
-    """Where checkpoints go; default ``RUN_DIR/checkpoints``."""
+    """Where checkpoints go, a local folder; default ``RUN_DIR/checkpoints`` (or ``STORAGE/checkpoints``)."""
+    storage: str | None = None
+    """Storage every node can reach, as Ray Train's ``storage_path``: a local path (NFS) or any ``pyarrow.fs`` URI
+    (``file://``, ``s3://``, ``gs://``); checkpoints go to ``STORAGE/checkpoints``, a copy of ``summary.json`` to
+    ``STORAGE``, and ``resume=auto`` reads from there (``rayspec.training.storage``). null: the run directory."""
     resume: str | None = None
-    """``auto`` (the newest checkpoint in ``dir``, if any), a checkpoint file or a run directory; null: start afresh."""
+    """``auto`` (the newest good checkpoint in ``dir`` or ``storage``, if any), a checkpoint file, a run directory or
+    a storage root (a path or URI); null: start afresh."""
 
     def check(self) -> None:
         integer("checkpoint.every", self.every, 0, "use 0 to checkpoint only at the end")
         integer("checkpoint.keep", self.keep, 1, "keep at least the newest checkpoint")
-        for name in ("dir", "resume"):
+        for name in ("dir", "storage", "resume"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"checkpoint.{name}={getattr(self, name)!r} must be a path (or null)")
+            if getattr(self, name) == "":
+                raise ConfigError(f"checkpoint.{name}='' is empty; give a path, or null for the default")
+        if self.dir is not None and self.storage is not None:
+            raise ConfigError(
+                f"checkpoint.dir={self.dir} and checkpoint.storage={self.storage} both say where checkpoints go; "
+                "set one (storage puts them in STORAGE/checkpoints)"
+            )
+        if self.storage is not None and "://" in self.storage and not _SCHEME.match(self.storage):
+            raise ConfigError(
+                f"checkpoint.storage={self.storage} is not a URI (scheme://path); write e.g. file:///shared/runs/a, "
+                "s3://bucket/runs/a, or a plain path"
+            )
 
 
 @dataclass

@@ -44,6 +44,7 @@ from rayspec.training.failures import Restarts, death
 from rayspec.training.loop import run
 from rayspec.training.prepare import Prepared, profile_sample, replan
 from rayspec.training.progress import notify
+from rayspec.training.storage import absolute
 
 __all__ = ["DriverActor", "run_in_driver"]
 
@@ -94,7 +95,7 @@ class DriverActor:
 
         def work() -> None:
             try:
-                path = Path(resume_path) if resume_path else None
+                path = absolute(resume_path) if resume_path else None
                 summary = run(prepared, Path(run_dir), lambda line: events.put(("echo", line)),
                                [_Relay(events, weights)], placement_group, bundle_offset,
                                resume=load_checkpoint(path) if path else None, resume_path=path,
@@ -127,8 +128,8 @@ def _absolute(prepared: Prepared) -> Prepared:
     resume = None if prepared.resume is None else {"step": prepared.resume["step"]}
     return dataclasses.replace(
         prepared, resume=resume,
-        checkpoints=None if prepared.checkpoints is None else Path(prepared.checkpoints).resolve(),
-        resume_path=None if prepared.resume_path is None else Path(prepared.resume_path).resolve(),
+        checkpoints=None if prepared.checkpoints is None else absolute(prepared.checkpoints),
+        resume_path=None if prepared.resume_path is None else absolute(prepared.resume_path),
     )
 
 
@@ -167,7 +168,7 @@ def run_in_driver(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
     restarts: list[dict[str, Any]] = []
     policy = Restarts(c.fault.max_restarts, restarts, echo)
     started = time.time()
-    resume_path = None if prepared.resume_path is None else Path(prepared.resume_path).resolve()
+    resume_path = None if prepared.resume_path is None else absolute(prepared.resume_path)
     seen = 0 if prepared.resume is None else prepared.resume["step"]  # the last update the caller heard of
     driver = None
     try:

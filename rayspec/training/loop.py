@@ -23,6 +23,7 @@ from rayspec.training.prepare import Prepared, build_stages, split_batches
 from rayspec.training.progress import Progress, keep_metrics, notify
 from rayspec.training.report import evaluate, report_stages, write_summary
 from rayspec.training.resplit import resumed_states
+from rayspec.training.storage import Location
 from rayspec.training.trace import bubble_fraction, write_chrome_trace, write_gantt
 
 __all__ = ["run", "make_executor"]
@@ -53,7 +54,7 @@ def make_executor(prepared: Prepared, stages: list[Stage], placement_group: Any 
 
 def run(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callbacks: Sequence[Any],
         placement_group: Any, bundle_offset: int, *, resume: dict[str, Any] | None | str = "prepared",
-        resume_path: Path | None = None, restarts: list[dict[str, Any]] | None = None,
+        resume_path: Location | None = None, restarts: list[dict[str, Any]] | None = None,
         started: float | None = None) -> dict[str, Any]:
     """Run to the end; when a stage actor dies, restart from the last checkpoint up to ``fault.max_restarts`` times.
 
@@ -84,7 +85,7 @@ def run(prepared: Prepared, run_dir: Path, echo: Callable[[str], None], callback
                 raise
 
 
-def _last(store: CheckpointStore, prepared: Prepared) -> Path | None:
+def _last(store: CheckpointStore, prepared: Prepared) -> Location | None:
     """The checkpoint this run would continue from: its newest own one, else the one it resumed from."""
     return store.last_saved or prepared.resume_path
 
