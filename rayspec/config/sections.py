@@ -26,6 +26,7 @@ __all__ = ["PipelineConfig", "OptimConfig", "TrainConfig", "CheckpointConfig", "
            "EXECUTORS", "PLACEMENTS"]
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # a URI's start: scheme://
+_ADDRESS = re.compile(r"^(ray://)?(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}$")  # [ray://]HOST:PORT
 
 EXECUTORS = ("local", "ray")
 PLACEMENTS = ("pack", "spread")
@@ -272,3 +273,12 @@ class RayConfig:
                 f"joining the cluster at ray.address={self.address} (the cluster's nodes set their CPUs)"
             )
         optional_integer("ray.num_cpus", self.num_cpus, 1, "use null for the machine's CPUs")
+        if self.address is not None and not isinstance(self.address, str):
+            raise ConfigError(f"ray.address={self.address!r} must be HOST:PORT, ray://HOST:PORT, auto, local or null")
+        if self.address not in (None, "local", "auto") and not _ADDRESS.match(self.address):
+            scheme = self.address.split("://", 1)[0] if "://" in self.address else None
+            why = f"its scheme {scheme}:// is not Ray's" if scheme else "it is not HOST:PORT"
+            raise ConfigError(
+                f"ray.address={self.address}: {why}; give the head's HOST:PORT (its GCS port, 6379 by default), "
+                "ray://HOST:PORT for Ray Client, auto, or null for a local Ray"
+            )

@@ -6,6 +6,7 @@ recurrent state), and returns one; composing the blocks computes exactly the who
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,6 +40,12 @@ def build_model(name: str, info: DataInfo, size: str = "full", **options: Any) -
         raise ModelError(f"model={name!r} is unknown; choose one of {', '.join(sorted(MODELS))}")
     if size not in SIZES:
         raise ModelError(f"model.size={size!r} is unknown; choose one of {', '.join(SIZES)}")
+    accepted = inspect.signature(MODELS[name]).parameters
+    unknown = [k for k in options if k not in accepted or k in ("size", "info")]
+    if unknown and not any(q.kind is q.VAR_KEYWORD for q in accepted.values()):
+        known = [k for k in accepted if k not in ("size", "info")]
+        raise ModelError(f"model.{unknown[0]}={options[unknown[0]]!r} is not an option of model={name}; its options "
+                         f"are size, {', '.join(known)} (check the spelling, or remove it)")
     model = MODELS[name](size, info, **options)
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise ModelError(f"model {name!r} must build a non-empty nn.Sequential of blocks")

@@ -44,8 +44,8 @@ def run(config: Config | Sequence[str] = (), run_dir: str | os.PathLike | None =
         overrides = list(config)
         config = from_mapping(compose(overrides))
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
-    _save_config(config, run_dir)
-    return train(config, run_dir, echo=echo, callbacks=[*build_callbacks(config, run_dir, echo=echo), *callbacks])
+    return train(config, run_dir, echo=echo,
+                 callbacks=[_SaveConfig(run_dir), *build_callbacks(config, run_dir, echo=echo), *callbacks])
 
 
 def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "spectrain", stages: int = 4,
@@ -83,8 +83,8 @@ def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "sp
     described.pipeline.method, described.pipeline.stages = method, stages
     config = apply_settings(described, settings)
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
-    _save_config(config, run_dir)
-    summary = train(config, run_dir, echo=echo, callbacks=[*build_callbacks(config, run_dir, echo=echo), *callbacks],
+    summary = train(config, run_dir, echo=echo,
+                    callbacks=[_SaveConfig(run_dir), *build_callbacks(config, run_dir, echo=echo), *callbacks],
                     model=model, data=DataBundle(train_set, val_set, None))
     model.load_state_dict(torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True))
     return summary
@@ -98,6 +98,16 @@ def new_run_dir(root: str | os.PathLike = "outputs") -> Path:
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path
+
+
+class _SaveConfig:
+    """Saves the config as run (``_save_config``) once the run has been checked: bad input writes nothing."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def on_start(self, config: Config) -> None:
+        _save_config(config, self.run_dir)
 
 
 def _save_config(config: Config, run_dir: Path) -> None:

@@ -56,9 +56,13 @@ def train(
     """
     prepared = prepare(config, run_dir, model, data)
     config = prepared.config = with_wandb_id(config, prepared.resume)  # [Note: W&B resume]
+    c, p = config, config.pipeline
+    if p.executor == "ray" or not METHODS[p.method].pipelined:  # join the cluster before writing anything
+        from rayspec.exec.ray.connect import ensure_ray
+
+        ensure_ray(c.ray, echo)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    c, p = config, config.pipeline
     n_blocks = ", ".join(str(b) for b in prepared.balance)
     size = model_size(c)
     echo(f"rayspec: {p.method} ({p.variant}) on {p.stages} stages [{n_blocks} blocks], model={c.model_name}"
