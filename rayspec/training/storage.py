@@ -26,7 +26,7 @@ from pyarrow import fs as pafs
 
 from rayspec.errors import ConfigError
 
-__all__ = ["Location", "is_uri", "join", "open_folder", "absolute", "write_atomic", "put_file"]
+__all__ = ["Location", "is_uri", "join", "open_folder", "absolute", "write_atomic", "put_file", "read_file"]
 
 Location = Path | str
 """A file or folder: a local ``Path``, or a URI string (``file:///...``, ``s3://bucket/...``)."""
@@ -98,6 +98,16 @@ def put_file(location: Location, name: str, data: bytes) -> None:
     filesystem, folder = open_folder(location)
     filesystem.create_dir(folder, recursive=True)
     write_atomic(filesystem, f"{folder}/{name}", lambda stream: stream.write(data))
+
+
+def read_file(location: Location, name: str) -> bytes | None:
+    """The bytes of ``name`` in the folder at ``location``; None when it is not there or cannot be read."""
+    try:
+        filesystem, folder = open_folder(location)
+        with filesystem.open_input_stream(f"{folder}/{name}") as stream:
+            return stream.read()
+    except (OSError, ValueError):  # absent, unreadable, or a store pyarrow cannot open (ConfigError)
+        return None
 
 
 def _fsync(path: str) -> None:
