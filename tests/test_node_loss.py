@@ -52,7 +52,9 @@ def test_a_lost_node_is_survived_with_restarts_and_the_weights_are_the_uninterru
     result = lose_a_node(scenario, tmp_path)
     assert result["lost"] is not None and result["updates"] == 16, result
     restarts = result["restarts"]
-    assert [r["kind"] for r in restarts] == ["driver" if scenario == "driver" else "stage"], result
-    assert restarts[0]["resumed_from"] in (4, 8, 12), result
+    # One restart, or two where a new driver actor was placed on the lost node before Ray declared it dead.
+    assert 1 <= len(restarts) <= 2 and {r["kind"] for r in restarts} == {scenario}, result
+    assert all(r["resumed_from"] in (4, 8, 12) for r in restarts), result
+    assert result["running_again_s"] is not None, result
     assert result["checkpoint"].startswith((tmp_path / "storage").as_uri()), result
     assert result["equal"], result
