@@ -243,10 +243,11 @@ def test_the_docs_list_every_case():
 def table(inputs: Path, work: Path) -> str:
     """The cases and their messages as a markdown page (paths shown as ``<inputs>``)."""
     lines = ["# What rayspec does with bad input", "",
-             "Each row is a case of `tests/test_bad_input.py`: `rayspec.run` (or `python -m rayspec.train`) with "
-             "`pipeline.executor=ray` and the input of the row. Every one raises an error of rayspec's family (a "
-             "`ValueError`) whose message names the value and the fix, before Ray starts, and writes nothing into "
-             "the run directory. `<inputs>` is the folder of the bad files. Regenerate with "
+             "Each row is a case of `tests/test_bad_input.py`: `rayspec.run` with `pipeline.executor=ray` and the "
+             "input of the row. Every one raises an error of rayspec's family (a `ValueError`) whose message names "
+             "the value and the fix, before Ray starts, and writes nothing into the run directory (`python -m "
+             "rayspec.train` raises the same; there Hydra itself has made the run directory's `.hydra/` before "
+             "rayspec reads the config). `<inputs>` is the folder of the bad files. Regenerate with "
              "`python tests/test_bad_input.py > docs/bad-input.md`.", "",
              f"{len(CASES)} cases.", "",
              "| kind | case | input | error | message |", "|---|---|---|---|---|"]
