@@ -50,6 +50,7 @@ def test_a_lost_node_is_survived_with_restarts_and_the_weights_are_the_uninterru
     ``fault.max_restarts`` the run restarts from the newest checkpoint in ``checkpoint.storage`` on the nodes
     that remain and ends with the weights of a run that lost nothing (gpipe: synchronous, exact resume)."""
     result = lose_a_node(scenario, tmp_path)
+    print(json.dumps({k: result[k] for k in ("scenario", "seen_s", "running_again_s", "updates_redone")}))  # -s
     assert result["lost"] is not None and result["updates"] == 16, result
     restarts = result["restarts"]
     # One restart, or two where a new driver actor was placed on the lost node before Ray declared it dead.
