@@ -158,7 +158,8 @@ def from_mapping(cfg: Mapping[str, Any]) -> Config:
         cfg = merge(cfg, debug)
     extra = sorted(set(cfg) - {f.name for f in dataclasses.fields(Config)} - {"hydra", "experiment"})
     if extra:
-        raise ConfigError(f"unknown top-level key(s) {', '.join(extra)}")
+        raise ConfigError(f"unknown top-level key(s) {', '.join(extra)}; the top-level keys are "
+                          f"{', '.join(f.name for f in dataclasses.fields(Config))} (check the spelling)")
     pipeline = dict(cfg.get("pipeline") or {})
     if pipeline.get("balance") is not None:
         pipeline["balance"] = list(pipeline["balance"])

@@ -9,6 +9,7 @@ layers below (methods, transports, predictors, learning-rate schedules, partitio
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from rayspec.config.checks import choice, integer, number, optional_integer
@@ -23,6 +24,9 @@ from rayspec.partition import PARTITIONS
 
 __all__ = ["Section", "PipelineConfig", "OptimConfig", "TrainConfig", "CheckpointConfig", "FaultConfig", "RayConfig",
            "EXECUTORS", "PLACEMENTS"]
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # a URI's start: scheme://
+_ADDRESS = re.compile(r"^(ray://)?(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}$")  # [ray://]HOST:PORT
 
 EXECUTORS = ("local", "ray")
 PLACEMENTS = ("pack", "spread")
@@ -223,16 +227,33 @@ class CheckpointConfig(Section):
     keep: int = 3
     """Newest checkpoints kept; older ones are deleted."""
     dir: str | None = None
-    """Where checkpoints go; default ``RUN_DIR/checkpoints``."""
+    """Where checkpoints go, a local folder; default ``RUN_DIR/checkpoints`` (or ``STORAGE/checkpoints``)."""
+    storage: str | None = None
+    """Storage every node can reach, as Ray Train's ``storage_path``: a local path (NFS) or any ``pyarrow.fs`` URI
+    (``file://``, ``s3://``, ``gs://``); checkpoints go to ``STORAGE/checkpoints``, a copy of ``summary.json`` to
+    ``STORAGE``, and ``resume=auto`` reads from there (``rayspec.training.storage``). null: the run directory."""
     resume: str | None = None
-    """``auto`` (the newest checkpoint in ``dir``, if any), a checkpoint file or a run directory; null: start afresh."""
+    """``auto`` (the newest good checkpoint in ``dir`` or ``storage``, if any), a checkpoint file, a run directory or
+    a storage root (a path or URI); null: start afresh."""
 
     def check(self) -> None:
         integer("checkpoint.every", self.every, 0, "use 0 to checkpoint only at the end")
         integer("checkpoint.keep", self.keep, 1, "keep at least the newest checkpoint")
-        for name in ("dir", "resume"):
+        for name in ("dir", "storage", "resume"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"checkpoint.{name}={getattr(self, name)!r} must be a path (or null)")
+            if getattr(self, name) == "":
+                raise ConfigError(f"checkpoint.{name}='' is empty; give a path, or null for the default")
+        if self.dir is not None and self.storage is not None:
+            raise ConfigError(
+                f"checkpoint.dir={self.dir} and checkpoint.storage={self.storage} both say where checkpoints go; "
+                "set one (storage puts them in STORAGE/checkpoints)"
+            )
+        if self.storage is not None and "://" in self.storage and not _SCHEME.match(self.storage):
+            raise ConfigError(
+                f"checkpoint.storage={self.storage} is not a URI (scheme://path); write e.g. file:///shared/runs/a, "
+                "s3://bucket/runs/a, or a plain path"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -266,3 +287,12 @@ class RayConfig(Section):
                 f"joining the cluster at ray.address={self.address} (the cluster's nodes set their CPUs)"
             )
         optional_integer("ray.num_cpus", self.num_cpus, 1, "use null for the machine's CPUs")
+        if self.address is not None and not isinstance(self.address, str):
+            raise ConfigError(f"ray.address={self.address!r} must be HOST:PORT, ray://HOST:PORT, auto, local or null")
+        if self.address not in (None, "local", "auto") and not _ADDRESS.match(self.address):
+            scheme = self.address.split("://", 1)[0] if "://" in self.address else None
+            why = f"its scheme {scheme}:// is not Ray's" if scheme else "it is not HOST:PORT"
+            raise ConfigError(
+                f"ray.address={self.address}: {why}; give the head's HOST:PORT (its GCS port, 6379 by default), "
+                "ray://HOST:PORT for Ray Client, auto, or null for a local Ray"
+            )

@@ -201,7 +201,8 @@ def _read(path: str, kind: str) -> torch.Tensor:
             data = reader(path)
     except (AssertionError, TypeError, ValueError, RuntimeError, EOFError, gzip.BadGzipFile) as e:
         # torchvision asserts on a bad magic number and raises TypeError/ValueError on a wrong dtype or rank.
-        raise DataError(f"{path} is not an IDX file of {kind} ({type(e).__name__}: {e}); {fix}") from e
+        detail = str(e) or "its header (magic number, sizes) is not one of IDX " + kind
+        raise DataError(f"{path} is not an IDX file of {kind} ({type(e).__name__}: {detail}); {fix}") from e
     except OSError as e:
         raise DataError(f"could not read {path} ({e}); check the file and its permissions") from e
     if kind == "images" and tuple(data.shape[1:]) != (28, 28):

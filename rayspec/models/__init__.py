@@ -6,6 +6,7 @@ recurrent state), and returns one; composing the blocks computes exactly the who
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +41,12 @@ def build_model(name: str, info: DataInfo, size: str = "full", **options: Any) -
         raise unknown("model", name, sorted(MODELS))
     if size not in SIZES:
         raise unknown("model.size", size, SIZES)
+    accepted = inspect.signature(MODELS[name]).parameters
+    extra = [k for k in options if k not in accepted or k in ("size", "info")]
+    if extra and not any(q.kind is q.VAR_KEYWORD for q in accepted.values()):
+        known = [k for k in accepted if k not in ("size", "info")]
+        raise ModelError(f"model.{extra[0]}={options[extra[0]]!r} is not an option of model={name}; its options "
+                         f"are size, {', '.join(known)} (check the spelling, or remove it)")
     model = MODELS[name](size, info, **options)
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise ModelError(f"model {name!r} must build a non-empty nn.Sequential of blocks")

@@ -53,9 +53,8 @@ def run(config: Config | Sequence[str] = (), run_dir: str | os.PathLike | None =
         overrides = list(config)
         config = from_mapping(compose(overrides))
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
-    _save_config(config, run_dir)
     ensure_console()
-    summary = run_training(config, run_dir, callbacks=[*build_callbacks(config, run_dir), *hooks])
+    summary = run_training(config, run_dir, callbacks=[_SaveConfig(run_dir), *build_callbacks(config, run_dir), *hooks])
     return RunSummary.from_dict(summary)
 
 
@@ -98,10 +97,9 @@ def fit(blocks: Any, train_data: Any, val_data: Any = None, *, method: str = "sp
     )
     config = apply_settings(described, settings)
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
-    _save_config(config, run_dir)
     ensure_console()
-    summary = run_training(config, run_dir, callbacks=[*build_callbacks(config, run_dir), *hooks], model=model,
-                           data=DataBundle(train_set, val_set, None))
+    summary = run_training(config, run_dir, callbacks=[_SaveConfig(run_dir), *build_callbacks(config, run_dir), *hooks],
+                           model=model, data=DataBundle(train_set, val_set, None))
     model.load_state_dict(torch.load(run_dir / "model.pt", map_location="cpu", weights_only=True))
     return RunSummary.from_dict(summary)
 
@@ -114,6 +112,16 @@ def new_run_dir(root: str | os.PathLike = "outputs") -> Path:
         n += 1
         path = base.with_name(f"{base.name}-{n}")
     return path
+
+
+class _SaveConfig:
+    """Saves the config as run (``_save_config``) once the run has been checked: bad input writes nothing."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def on_start(self, config: Config) -> None:
+        _save_config(config, self.run_dir)
 
 
 def _save_config(config: Config, run_dir: Path) -> None:

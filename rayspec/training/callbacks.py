@@ -27,7 +27,7 @@ class Callback(Protocol):
     calling process, on what it streams back (``rayspec.training.driver``).
     """
 
-    def on_resume(self, step: int, checkpoint: Path | None) -> None:
+    def on_resume(self, step: int, checkpoint: Path | str | None) -> None:
         """Before ``on_start``, when the run resumes from the checkpoint at ``checkpoint``, after update ``step``."""
 
     def on_start(self, config: Config) -> None:
@@ -92,7 +92,7 @@ class Callbacks(Sequence[Any]):
         """Whether any callback has ``hook`` (a run sends the weights only to ``on_weights``)."""
         return bool(self._hooks[hook])
 
-    def on_resume(self, step: int, checkpoint: Path | None) -> None:
+    def on_resume(self, step: int, checkpoint: Path | str | None) -> None:
         for fn in self._hooks["on_resume"]:
             fn(step, checkpoint)
 

@@ -12,8 +12,12 @@ by parameter name (``rayspec.training.resplit``).
 
 A checkpoint is one ``torch.save`` file holding only tensors, numbers, strings, lists and dicts,
 so ``torch.load(weights_only=True)`` reads it without running pickled code. It is written to a
-temporary name in the same folder, flushed to disk and renamed: a crash leaves the previous
-checkpoints intact and never a partial file under a checkpoint's name.
+temporary name in the same folder, flushed to disk and renamed: a crash (a writer killed between
+write and rename included) leaves the previous checkpoints intact and never a partial file under a
+checkpoint's name. The folder is a local path or any ``pyarrow.fs`` URI ([Note: storage] in
+``rayspec.training.storage``). A file under a checkpoint's name that does not load (truncated by its
+storage, or another program's) is refused with its name; ``checkpoint.resume=auto`` then takes the
+newest checkpoint that loads.
 """
 
 from __future__ import annotations
@@ -27,17 +31,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pyarrow import fs as pafs
 
-from rayspec.config import Config
+from rayspec.config import CheckpointConfig, Config
 from rayspec.core.methods import METHODS
 from rayspec.errors import ConfigError
+from rayspec.training.storage import Location, is_uri, join, open_folder, write_atomic
 
-__all__ = ["CheckpointStore", "load_checkpoint", "resolve_resume", "check_compatible", "payload", "FORMAT"]
+__all__ = ["CheckpointStore", "checkpoint_folder", "load_checkpoint", "resolve_resume", "check_compatible", "payload", "FORMAT"]
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
+_TMP = re.compile(r"^\.step_(\d{8,})\.pt\.\d+\.tmp$")  # a write under way, or one a killed writer left
+_KEYS = {"format", "step"}
 
 # Settings a checkpoint's state depends on; resuming with another value of any of them is refused.
 # Everything else (max_steps, logging, evaluation, executor, transport, resources) may change, and so may the
@@ -53,78 +61,126 @@ _FIXED = (
 
 
 class CheckpointStore:
-    """The checkpoint folder of a run: ``step_XXXXXXXX.pt`` files, the newest ``keep`` kept."""
+    """The checkpoint folder of a run: ``step_XXXXXXXX.pt`` files, the newest ``keep`` kept.
 
-    def __init__(self, folder: str | os.PathLike, keep: int = 3) -> None:
-        self.folder = Path(folder)
+    Args:
+        folder: a local path or a ``pyarrow.fs`` URI (rayspec.training.storage, [Note: storage]).
+        keep: checkpoints kept; older ones are deleted after each write.
+    """
+
+    def __init__(self, folder: Location, keep: int = 3) -> None:
+        self.folder: Location = folder if is_uri(folder) else Path(folder)
         self.keep = keep
-        self.last_saved: Path | None = None
+        self.last_saved: Location | None = None
         """The newest checkpoint this store wrote (a run's own, whatever else the folder holds)."""
+        self._fs: pafs.FileSystem | None = None
+        self._path = ""
 
-    def paths(self) -> list[Path]:
+    @property
+    def filesystem(self) -> tuple[pafs.FileSystem, str]:
+        """The file system and the folder's path in it (opened once, when first needed)."""
+        if self._fs is None:
+            self._fs, self._path = open_folder(self.folder)
+        return self._fs, self._path
+
+    def _names(self) -> list[str]:
+        filesystem, path = self.filesystem
+        found = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        return [info.base_name for info in found if info.type == pafs.FileType.File]
+
+    def paths(self) -> list[Location]:
         """Complete checkpoints, oldest first (temporary files of an interrupted write are ignored)."""
-        if not self.folder.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := _NAME.match(p.name))]
-        return [p for _, p in sorted(found)]
+        found = [(int(m.group(1)), name) for name in self._names() if (m := _NAME.match(name))]
+        return [join(self.folder, name) for _, name in sorted(found)]
 
-    def latest(self) -> Path | None:
+    def latest(self) -> Location | None:
         paths = self.paths()
         return paths[-1] if paths else None
 
-    def save(self, step: int, payload: dict[str, Any]) -> Path:
-        """Write ``payload`` as the checkpoint of ``step`` atomically, then drop all but the newest ``keep``."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f"step_{step:08d}.pt"
-        tmp = self.folder / f".{path.name}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                torch.save({"format": FORMAT, "step": step, **payload}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        _fsync_dir(self.folder)
+    def newest_good(self) -> tuple[Location, dict[str, Any]] | None:
+        """The newest checkpoint that loads, and its state; a newer file that does not (truncated by a crash of
+        its storage, or not a checkpoint) is passed over with a warning naming it. None: no good one."""
+        for path in reversed(self.paths()):
+            try:
+                return path, load_checkpoint(path)
+            except ConfigError as err:
+                log.warning("%s; taking the checkpoint before it", err)
+        return None
+
+    def save(self, step: int, payload: dict[str, Any]) -> Location:
+        """Write ``payload`` as the checkpoint of ``step`` atomically, then drop all but the newest ``keep``
+        (and temporary files that a killed writer left)."""
+        filesystem, folder = self.filesystem
+        filesystem.create_dir(folder, recursive=True)
+        name = f"step_{step:08d}.pt"
+        write_atomic(filesystem, f"{folder}/{name}", lambda f: torch.save({"format": FORMAT, "step": step, **payload}, f))
+        path = join(self.folder, name)
         self.last_saved = path
         for old in self.paths()[: -self.keep]:
-            old.unlink(missing_ok=True)
+            filesystem.delete_file(f"{folder}/{_name(old)}")
+        for stale in self._names():
+            if (m := _TMP.match(stale)) and int(m.group(1)) <= step:
+                filesystem.delete_file(f"{folder}/{stale}")
         return path
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint with ``weights_only=True``; raise ``ConfigError`` for a file that is not one."""
-    path = Path(path)
+def checkpoint_folder(settings: CheckpointConfig, run_dir: str | os.PathLike | None) -> Location | None:
+    """Where a run's checkpoints go: ``checkpoint.dir``; else ``STORAGE/checkpoints`` for ``checkpoint.storage``;
+    else ``RUN_DIR/checkpoints`` (None without a run directory)."""
+    if settings.dir:
+        return Path(os.path.expanduser(settings.dir))
+    if settings.storage:
+        return join(settings.storage, "checkpoints")
+    return Path(run_dir) / "checkpoints" if run_dir is not None else None
+
+
+def load_checkpoint(path: Location) -> dict[str, Any]:
+    """Read a checkpoint with ``weights_only=True``; raise ``ConfigError`` naming the file when it is not one
+    (unreadable, truncated, or another program's file under a checkpoint's name)."""
+    fix = "resume from another checkpoint (checkpoint.resume=auto takes the newest good one) or delete it"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        filesystem, folder = open_folder(path, "checkpoint.resume")
+        with filesystem.open_input_file(folder) as f:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except ConfigError:
+        raise
     except Exception as err:
-        raise ConfigError(f"checkpoint.resume: {path} is not a readable rayspec checkpoint ({err})") from err
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint.resume: {path} is not a rayspec checkpoint of format {FORMAT}")
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"checkpoint.resume: {path} is not a readable rayspec checkpoint ({first}); {fix}") from err
+    if not isinstance(state, dict) or state.get("format") != FORMAT or not _KEYS <= state.keys():
+        raise ConfigError(f"checkpoint.resume: {path} is not a rayspec checkpoint of format {FORMAT}; {fix}")
     return state
 
 
-def resolve_resume(resume: str | None, folder: Path | None) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` names: None; ``auto`` (the newest in ``folder``, None if there is none);
-    a checkpoint file; or a folder holding checkpoints (a run directory or its ``checkpoints/``)."""
+def resolve_resume(resume: str | None, folder: Location | None) -> tuple[Location, dict[str, Any]] | None:
+    """The checkpoint ``checkpoint.resume`` names, and its state: None; ``auto`` (the newest good one in
+    ``folder``, None if there is none); a checkpoint file (refused when it does not load); or a folder holding
+    checkpoints (a run directory or its ``checkpoints/``, a storage root), whose newest good one is taken."""
     if resume is None:
         return None
     if resume == "auto":
-        return None if folder is None else CheckpointStore(folder).latest()
-    path = Path(os.path.expanduser(resume))
-    if path.is_file():
-        return path
-    for candidate in (path, path / "checkpoints"):
-        latest = CheckpointStore(candidate).latest()
-        if latest is not None:
-            return latest
+        return None if folder is None else CheckpointStore(folder).newest_good()
+    path: Location = resume if is_uri(resume) else Path(os.path.expanduser(resume))
+    filesystem, inner = open_folder(path, "checkpoint.resume")
+    if filesystem.get_file_info(inner).type == pafs.FileType.File:
+        return path, load_checkpoint(path)
+    for candidate in (path, join(path, "checkpoints")):
+        store = CheckpointStore(candidate)
+        if store.latest() is not None:
+            found = store.newest_good()
+            if found is None:
+                raise ConfigError(
+                    f"checkpoint.resume={resume}: none of its checkpoints loads ({', '.join(map(_name, store.paths()))}"
+                    "); give another checkpoint, or start afresh with checkpoint.resume=null in a new folder"
+                )
+            return found
     raise ConfigError(
         f"checkpoint.resume={resume} is neither a checkpoint file nor a folder holding step_*.pt checkpoints; "
         "give a checkpoint file, a run directory, or checkpoint.resume=auto"
     )
 
 
-def check_compatible(saved: dict[str, Any], config: Config, path: Path) -> None:
+def check_compatible(saved: dict[str, Any], config: Config, path: Location) -> None:
     """Refuse to resume when a setting the saved state depends on differs (the message names it)."""
     now = json.loads(json.dumps(asdict(config), default=str))
     defaults = json.loads(json.dumps(asdict(Config()), default=str))  # for settings added after a checkpoint
@@ -157,6 +213,10 @@ def payload(config: Config, balance: list[int], stages: list[dict[str, Any]], tr
             "wandb_id": (config.logger or {}).get("id")}
 
 
+def _name(location: Location) -> str:
+    return location.name if isinstance(location, Path) else location.rsplit("/", 1)[-1]
+
+
 def _get(tree: dict[str, Any], key: tuple[str, ...], missing: Any = None) -> Any:
     """``tree[k0][k1]...``; ``missing`` where a level lacks the key (a ``None`` value stays ``None``)."""
     for k in key:
@@ -164,16 +224,3 @@ def _get(tree: dict[str, Any], key: tuple[str, ...], missing: Any = None) -> Any
             return missing
         tree = tree[k]
     return tree
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some file systems cannot open folders
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

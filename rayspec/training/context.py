@@ -13,6 +13,7 @@ from rayspec.training.callbacks import Callbacks
 from rayspec.training.checkpoint import CheckpointStore, load_checkpoint
 from rayspec.training.failures import Restarts
 from rayspec.training.prepare import Prepared
+from rayspec.training.storage import Location
 
 __all__ = ["RunContext"]
 
@@ -60,11 +61,11 @@ class RunContext:
     def config(self) -> Config:
         return self.prepared.config
 
-    def go_on_from(self, path: Path | None) -> None:
+    def go_on_from(self, path: Location | None) -> None:
         """Start the run loop from the checkpoint at ``path`` (a lost driver actor's newest), or from the start."""
         self.store.last_saved = path
         self.resume = load_checkpoint(path) if path is not None else None
 
-    def last_checkpoint(self) -> Path | None:
+    def last_checkpoint(self) -> Location | None:
         """The checkpoint this run would continue from: its newest own one, else the one it resumed from."""
         return self.store.last_saved or self.prepared.resume_path

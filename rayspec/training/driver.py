@@ -46,6 +46,7 @@ from rayspec.training.context import RunContext
 from rayspec.training.failures import death
 from rayspec.training.loop import run
 from rayspec.training.prepare import Prepared, profile_sample, replan
+from rayspec.training.storage import absolute
 
 __all__ = ["DriverActor", "run_in_driver"]
 
@@ -101,7 +102,7 @@ class _Launch:
     def context(self, prepared: Prepared, callbacks: list[Any]) -> RunContext:
         ctx = RunContext.create(prepared, Path(self.run_dir), callbacks, self.placement_group, self.bundle_offset)
         ctx.restarts.records, ctx.started = self.restarts, self.started
-        ctx.go_on_from(Path(self.resume_path) if self.resume_path else None)
+        ctx.go_on_from(absolute(self.resume_path) if self.resume_path else None)
         return ctx
 
 
@@ -163,8 +164,8 @@ def _absolute(prepared: Prepared) -> Prepared:
     resume = None if prepared.resume is None else {"step": prepared.resume["step"]}
     return dataclasses.replace(
         prepared, resume=resume,
-        checkpoints=None if prepared.checkpoints is None else Path(prepared.checkpoints).resolve(),
-        resume_path=None if prepared.resume_path is None else Path(prepared.resume_path).resolve(),
+        checkpoints=None if prepared.checkpoints is None else absolute(prepared.checkpoints),
+        resume_path=None if prepared.resume_path is None else absolute(prepared.resume_path),
     )
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any, NoReturn
 
 from rayspec.training.checkpoint import load_checkpoint
+from rayspec.training.storage import Location
 
 __all__ = ["RunFailed", "StageDied", "Restarts", "death", "reraise"]
 
@@ -49,7 +49,7 @@ class Restarts:
         self.max_restarts = max_restarts
         self.records: list[dict[str, Any]] = [] if records is None else records
 
-    def restart(self, kind: str, why: str, failed_at_update: int, latest: Path | None, cause: BaseException,
+    def restart(self, kind: str, why: str, failed_at_update: int, latest: Location | None, cause: BaseException,
                 where: str = "") -> dict[str, Any] | None:
         """Record a restart after ``why`` and return the checkpoint at ``latest`` to resume from (None: the
         start); raises ``RunFailed`` naming the last checkpoint when no restart is left.
@@ -75,7 +75,7 @@ class Restarts:
         return resume
 
 
-def reraise(err: Exception, updates: int, last: Path | None = None) -> NoReturn:
+def reraise(err: Exception, updates: int, last: Location | None = None) -> NoReturn:
     """Raise ``StageDied`` for a dead stage actor; a stage's non-finite loss or gradient as ``FloatingPointError``
     naming the last good checkpoint; anything else as it is."""
     from rayspec.exec.ray.cluster import actor_died, task_cause  # Ray only where a Ray run failed

@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 
 from rayspec.config import LOGGERS, Config
 from rayspec.errors import ConfigError
+from rayspec.training.storage import Location, put_file, read_file
 
 __all__ = ["LOGGERS", "WandbLogger", "build_callbacks", "wandb_mode", "with_wandb_id", "new_wandb_id", "RUN_FILE"]
 
@@ -92,6 +93,7 @@ class WandbLogger:
         mode: ``auto`` (online with an API key, else offline), ``online``, ``offline`` or ``disabled``.
         notes: free text stored with the run.
         job_type: W&B job type, e.g. ``train`` or ``sweep-trial``.
+        storage: ``checkpoint.storage``: ``wandb.json`` is also written there, and read from there on resuming.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class WandbLogger:
         mode: str = "auto",
         notes: str | None = None,
         job_type: str = "train",
+        storage: str | None = None,
     ) -> None:
         if mode not in WANDB_MODES:
             raise ConfigError(f"logger.mode={mode!r} is unknown; choose one of {', '.join(WANDB_MODES)}")
@@ -114,14 +117,15 @@ class WandbLogger:
                         "notes": notes, "job_type": job_type}
         self.id = id
         self.mode, self.reason = wandb_mode(mode)
+        self.storage = storage
         self.run: Any = None
-        self.resumed: tuple[int, Path | None] | None = None
+        self.resumed: tuple[int, Location | None] | None = None
         self.next_step = 0
         """Records below this step are in W&B already and are not sent ([Note: W&B resume])."""
         self.written = -1
         """The last step recorded in ``wandb.json``."""
 
-    def on_resume(self, step: int, checkpoint: Path | None) -> None:
+    def on_resume(self, step: int, checkpoint: Location | None) -> None:
         """The run resumes from ``checkpoint``, written at update ``step`` (called before ``on_start``)."""
         self.resumed = (step, checkpoint)
 
@@ -143,7 +147,9 @@ class WandbLogger:
         """Set ``next_step`` past what W&B holds of run ``run_id`` and say so."""
         step, checkpoint = self.resumed or (0, None)
         held = [self.run.step - 1 if self.run.resumed else -1]  # W&B's word (online)
-        folders = [self.run_dir] + ([checkpoint.parent.parent] if checkpoint is not None else [])
+        folders: list[Location] = [self.run_dir, *([self.storage] if self.storage else [])]
+        if isinstance(checkpoint, Path):  # a run directory's checkpoints/ (a storage's is read above)
+            folders.append(checkpoint.parent.parent)
         for folder in folders:
             record = _read_run_file(folder)
             if record.get("id") == run_id and isinstance(record.get("last_step"), int):
@@ -162,6 +168,8 @@ class WandbLogger:
         tmp = self.run_dir / f".{RUN_FILE}.tmp"
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.run_dir / RUN_FILE)
+        if self.storage:  # where a resumed run on another node finds it
+            put_file(self.storage, RUN_FILE, json.dumps(record).encode())
         self.written = last_step
 
     def on_metrics(self, record: dict[str, Any]) -> None:
@@ -206,10 +214,11 @@ def with_wandb_id(config: Config, resume: dict[str, Any] | None) -> Config:
     return dataclasses.replace(config, logger=logger)
 
 
-def _read_run_file(folder: Path) -> dict[str, Any]:
+def _read_run_file(folder: Location) -> dict[str, Any]:
+    data = read_file(folder, RUN_FILE)
     try:
-        record = json.loads((folder / RUN_FILE).read_text())
-    except (OSError, ValueError):
+        record = json.loads(data) if data is not None else {}
+    except ValueError:
         return {}
     return record if isinstance(record, dict) else {}
 
@@ -242,4 +251,4 @@ def build_callbacks(
     opts.setdefault("mode", "auto")
     opts["mode"] = opts["mode"] or "auto"
     opts["tags"] = list(opts.get("tags") or [])
-    return [WandbLogger(run_dir, job_type=job_type, **opts)]
+    return [WandbLogger(run_dir, job_type=job_type, storage=config.checkpoint.storage, **opts)]

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +30,8 @@ from rayspec.partition import (
     uniform,
 )
 from rayspec.targets import TARGET
-from rayspec.training.checkpoint import CheckpointStore, check_compatible, load_checkpoint, resolve_resume
+from rayspec.training.checkpoint import CheckpointStore, check_compatible, checkpoint_folder, resolve_resume
+from rayspec.training.storage import Location
 
 __all__ = ["Prepared", "prepare", "profile_sample", "replan", "lr_schedule", "stage_settings"]
 
@@ -45,11 +45,12 @@ class Prepared:
     model: nn.Sequential
     balance: list[int]
     plan: PartitionPlan | None = None
-    checkpoints: Path | None = None
-    """The run's checkpoint folder (``checkpoint.dir`` or ``RUN_DIR/checkpoints``); None without a run directory."""
+    checkpoints: Location | None = None
+    """The run's checkpoint folder (``checkpoint.dir``, ``STORAGE/checkpoints`` or ``RUN_DIR/checkpoints``); None
+    without a run directory."""
     resume: dict[str, Any] | None = None
     """The checkpoint to continue from (``rayspec.training.checkpoint.load_checkpoint``), if any."""
-    resume_path: Path | None = None
+    resume_path: Location | None = None
 
 
 def prepare(config: Config, run_dir: str | os.PathLike | None = None, model: nn.Sequential | None = None,
@@ -60,23 +61,23 @@ def prepare(config: Config, run_dir: str | os.PathLike | None = None, model: nn.
     Args:
         config: the run's settings.
         run_dir: the run directory; ``checkpoint.resume=auto`` looks in its ``checkpoints/`` unless
-            ``checkpoint.dir`` is set.
+            ``checkpoint.dir`` or ``checkpoint.storage`` is set.
         model: the blocks to train instead of building ``config.model`` (``rayspec.fit``); trained from their
             current weights.
         data: the data to train on instead of building ``config.data`` (``rayspec.fit``).
     """
     config.validate()
     ck = config.checkpoint
-    folder = Path(os.path.expanduser(ck.dir)) if ck.dir else (Path(run_dir) / "checkpoints" if run_dir else None)
-    resume_path = resolve_resume(ck.resume, folder)
+    folder = checkpoint_folder(ck, run_dir)
+    found = resolve_resume(ck.resume, folder)
     if ck.resume is None and folder is not None and (earlier := CheckpointStore(folder).latest()) is not None:
         raise ConfigError(
-            f"{folder} already holds checkpoints of an earlier run ({earlier.name}); continue it with "
-            "checkpoint.resume=auto, or start afresh in another hydra.run.dir or checkpoint.dir"
+            f"{folder} already holds checkpoints of an earlier run ({earlier}); continue it with "
+            "checkpoint.resume=auto, or start afresh in another hydra.run.dir, checkpoint.dir or checkpoint.storage"
         )
-    resume, kept = None, None
-    if resume_path is not None:
-        resume = load_checkpoint(resume_path)
+    resume, resume_path, kept = None, None, None
+    if found is not None:
+        resume_path, resume = found
         saved = json.loads(resume["config"])
         check_compatible(saved, config, resume_path)
         kept = _kept_balance(resume, saved, config)

@@ -17,6 +17,7 @@ from rayspec.data.loader import eval_batches
 from rayspec.models import MODELS
 from rayspec.partition import human_bytes
 from rayspec.training.prepare import Prepared
+from rayspec.training.storage import put_file
 
 __all__ = ["evaluate", "report_stages", "write_summary", "model_size"]
 
@@ -68,7 +69,10 @@ def write_summary(prepared: Prepared, run_dir: Path, *, transport: str, updates:
         "wall_s": wall_s, "bubble_fraction": max(0.0, bubble), "bytes_per_update": bytes_per_update,
         "seed": c.seed, **(extra or {}), "stage_stats": stats, "config": asdict(c),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    text = json.dumps(summary, indent=2, default=str)
+    (run_dir / "summary.json").write_text(text)
+    if c.checkpoint.storage is not None:  # beside the checkpoints, where a run on another node finds it
+        put_file(c.checkpoint.storage, "summary.json", text.encode())
     log.info("done: %d updates, final loss %.4f, val_accuracy %s, %.1f samples/s; wrote %s", updates, last_loss,
              summary["val_accuracy"], summary["samples_per_s"], run_dir)
     return summary

@@ -60,6 +60,11 @@ def run_training(
     callbacks = Callbacks.of(callbacks)  # checked before anything runs: a misspelt hook is an error
     prepared = prepare(config, run_dir, model, data)
     prepared.config = with_wandb_id(config, prepared.resume)  # [Note: W&B resume]
+    p = prepared.config.pipeline
+    if p.executor == "ray" or not METHODS[p.method].pipelined:  # join the cluster before writing anything
+        from rayspec.exec.ray.connect import ensure_ray
+
+        ensure_ray(prepared.config.ray)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     ctx = RunContext.create(prepared, Path(run_dir), callbacks, placement_group, bundle_offset)
     _introduce(prepared)
