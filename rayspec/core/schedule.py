@@ -292,8 +292,9 @@ class Schedule:
         return all(held == v[(k, "F", m)] for (k, _, m), held in v.items())
 
     def differences(self, method_name: str, variant: str) -> dict[tuple[int, str, int], int] | None:
-        """``version_differences(variant)`` for a method that predicts (SpecTrain); ``None`` for the others."""
-        return self.version_differences(variant) if method(method_name).predicts else None
+        """``version_differences(variant)`` for a method that predicts (SpecTrain; 2BW's always ``consistent``)."""
+        m = method(method_name)
+        return self.version_differences("consistent" if m.policy == "predict-2bw" else variant) if m.predicts else None
 
     def version_differences(self, variant: str) -> dict[tuple[int, str, int], int]:
         """SpecTrain's ``s`` for every action: how many versions ahead its weights are predicted.
