@@ -14,6 +14,7 @@ import torch
 from rayspec.core.methods import METHODS
 from rayspec.core.predict import window as prediction_window
 from rayspec.core.schedule import build_schedule
+from rayspec.core.schedule_text import load_schedule
 from rayspec.core.stage import Stage
 from rayspec.data.loader import train_batches
 from rayspec.exec import Executor, LocalExecutor
@@ -127,7 +128,9 @@ def _run_segments(prepared: Prepared, run_dir: Path, echo: Callable[[str], None]
             try:  # every executor call: a stage can die in any of them
                 while done < end:
                     updates = _boundary(done, end, c.train.eval_every, ck.every) - done
-                    schedule = build_schedule(method.schedule, p.stages, updates * group, group=group)
+                    schedule = (load_schedule(p.schedule_file, updates) if p.schedule_file else
+                                build_schedule(method.schedule, p.stages, updates * group, group=group,
+                                               virtual=p.virtual_stages))
                     t0, wall0 = time.perf_counter(), time.time()
                     executor.run(schedule, stream, on_loss=progress.loss)
                     run_s += time.perf_counter() - t0
