@@ -116,3 +116,20 @@ def test_a_deadlocking_order_is_refused():
             [Action(1, "F", 1), Action(1, "B", 1), Action(1, "F", 0), Action(1, "B", 0)]]
     with pytest.raises(ScheduleError):
         from_rows(rows)
+
+
+def test_cli_prints_torch_csv_and_reads_it_back(tmp_path):
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "rayspec.schedule", *args], capture_output=True, text=True,
+                              check=True).stdout
+
+    csv_text = cli("--method", "zb1p", "--stages", "4", "--microbatches", "8", "--csv")
+    assert csv_text == to_csv(build_schedule("zb1p", 4, 8)) and csv_text.startswith("0F0,0F1,0F2,")
+    (tmp_path / "zb.csv").write_text(csv_text)
+    out = cli("--read", str(tmp_path / "zb.csv"))
+    assert "stage 3 |" in out and "W7*" in out and "simulated with F = I = W (B = I + W): 0.1250" in out
+    assert "formula (p-1)/(3m) = 0.1250" in cli("--method", "zb1p", "--stages", "4", "--microbatches", "8")
+    assert "rank 1 | " in cli("--method", "interleaved", "--stages", "2", "--microbatches", "4", "--virtual", "2")
