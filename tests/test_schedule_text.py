@@ -133,3 +133,12 @@ def test_cli_prints_torch_csv_and_reads_it_back(tmp_path):
     assert "stage 3 |" in out and "W7*" in out and "simulated with F = I = W (B = I + W): 0.1250" in out
     assert "formula (p-1)/(3m) = 0.1250" in cli("--method", "zb1p", "--stages", "4", "--microbatches", "8")
     assert "rank 1 | " in cli("--method", "interleaved", "--stages", "2", "--microbatches", "4", "--virtual", "2")
+
+
+def test_measured_bubble_of_a_simulated_timeline_is_the_simulated_bubble():
+    from rayspec.core.orders import measured_bubble
+
+    schedule = build_schedule("interleaved", 4, 16, group=8, virtual=2)
+    times = schedule.timeline(EQUAL_FIW)
+    timelines = [[(a.kind, a.microbatch, *times[a.key]) for a in acts] for acts in schedule.actions]
+    assert measured_bubble(timelines, ranks=4) == pytest.approx(schedule.bubble(EQUAL_FIW))

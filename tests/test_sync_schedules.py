@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_weights, make_stages, microbatches, plain_sgd
+from conftest import assert_same_weights, make_stages, microbatches, plain_sgd, plain_torch
 
 from rayspec.config import ConfigError, from_mapping
 from rayspec.core.methods import METHODS
@@ -111,3 +111,12 @@ def test_training_runs_them_from_the_config(tiny, tmp_path, method, pipeline):
     b = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
     assert_same_weights(b, a)
     assert got["final_train_loss"] == pytest.approx(reference["final_train_loss"])
+
+
+@pytest.mark.parametrize("method,virtual", [("1f1b", 1), ("zb1p", 1), ("interleaved", 2)])
+def test_global_clipping_is_clipping_the_whole_model(deep, method, virtual):
+    """They flush: an update waits for every stage's gradient norm, as ``clip_grad_norm_`` on the whole model."""
+    model, data = deep
+    ex, _, _ = run_sync(model, data, method, 2, virtual, clip_grad_norm=0.05)
+    assert all(st.clip_scope == "global" for st in ex.stages)
+    assert_same_weights(ex.state_dict(), plain_torch(model, data, 4, 32, clip_grad_norm=0.05))

@@ -9,9 +9,9 @@ schedule's bubble as a formula: idle time over busy time per rank when F, I and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-__all__ = ["Step", "ORDERS", "BUBBLES", "order", "bubble_formula"]
+__all__ = ["Step", "ORDERS", "BUBBLES", "order", "bubble_formula", "measured_bubble"]
 
 Step = tuple[int, str, int]
 """``(stage, kind, micro-batch)``: one action of a rank."""
@@ -118,3 +118,12 @@ def bubble_formula(name: str, stages: int, microbatches: int, virtual: int = 1) 
     formulas = {"vanilla": p - 1.0, "gpipe": (p - 1) / m, "1f1b": (p - 1) / m, "1f1b-flushed": (p - 1) / m,
                 "zb1p": (p - 1) / (3 * m), "interleaved": (p - 1) / (v * m)}
     return formulas[name]
+
+
+def measured_bubble(timelines: Sequence[Sequence[tuple]], ranks: int | None = None) -> float:
+    """Idle over busy time of ``ranks`` ranks (default one per timeline) from measured actions: per stage,
+    ``(kind, micro-batch, start, end)`` (``Executor.timeline()``), from the first start to the last end."""
+    spans = [(row[-2], row[-1]) for timeline in timelines for row in timeline]
+    busy = sum(end - start for start, end in spans)
+    wall = max(end for _, end in spans) - min(start for start, _ in spans)
+    return (wall * (ranks or len(timelines)) - busy) / busy

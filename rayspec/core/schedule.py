@@ -137,8 +137,7 @@ class Schedule:
         return self.actions if self.rank_order is None else self.rank_order
 
     @property
-    def splits_backward(self) -> bool:
-        """Whether the backward runs as ``I`` and ``W`` (zero bubble) somewhere."""
+    def splits_backward(self) -> bool:  # the backward runs as I and W (zero bubble) somewhere
         return any(a.kind == "I" for acts in self.actions for a in acts)
 
     @classmethod
