@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.peer_setup import flushed_1f1b
 from rayspec.core.schedule import Action, Schedule, ScheduleError, build_schedule
 from rayspec.exec.ray.compiled_plan import plan_chunks
 
@@ -64,7 +63,7 @@ def test_1f1b_carries_only_a_stage_s_last_op_into_the_next_chunk():
 
 
 def test_a_flushed_1f1b_runs_block_by_block():
-    plan = plan_chunks(flushed_1f1b(2, 8, 5), None, 16)
+    plan = plan_chunks(build_schedule("1f1b-flushed", 2, 40, group=8), None, 16)
     assert not any(op.carry or op.source and op.source[0] == "begin" for ops in plan.template for op in ops)
     assert plan.bases == (0, 16, 32)  # 40 micro-batches in chunks of two batches
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.peer_setup import flushed_1f1b
 from rayspec.core.schedule import Action, Schedule, ScheduleError, build_schedule
 from rayspec.exec.ray.p2p_plan import plan_p2p, tag
 from rayspec.exec.ray.p2p_wire import (
@@ -56,7 +55,7 @@ def simulate(chunks, n) -> int | None:
                 continue
             op = chunks[c][k][i] if i < len(chunks[c][k]) else None
             if op is not None:
-                src = k - 1 if op.kind != "B" else k + 1
+                src = k - 1 if op.kind in ("F", "FB") else k + 1 if op.kind in ("B", "I") else -1  # W: none
                 if 0 <= src < n:
                     if (src, k, op.m) not in sent:
                         continue
@@ -66,7 +65,7 @@ def simulate(chunks, n) -> int | None:
                         held[k].remove((src, tag // 2))
                 else:
                     assert not op.retire
-                dst = k + 1 if op.kind == "F" else k - 1
+                dst = k + 1 if op.kind == "F" else k - 1 if op.kind != "W" else -1
                 if 0 <= dst < n:
                     sent.add((k, dst, op.m))
                     held[k].add((dst, op.m))
@@ -119,10 +118,23 @@ def test_chunks_replay_the_schedule_and_never_deadlock(name, n, m, group, width,
 
 
 def test_flushed_1f1b_and_every_chunk_has_work_for_every_stage():
-    schedule = flushed_1f1b(2, 8, 5)
+    schedule = build_schedule("1f1b-flushed", 2, 40, group=8)
     chunks = plan_p2p(schedule, None, 16)
     assert len(chunks) == 3 and all(ops for per_stage in chunks for ops in per_stage)
     assert runs_without_deadlock(chunks, 2)
+
+
+@pytest.mark.parametrize("name,n,m", [("zb1p", 2, 8), ("zb1p", 4, 8), ("zb1p", 4, 16), ("1f1b-flushed", 4, 8),
+                                       ("zb1p", 3, 2)])
+@pytest.mark.parametrize("width", [1, 4, 16])
+def test_split_backward_chunks_replay_the_schedule_and_never_deadlock(name, n, m, width):
+    """ZB-H1's I sends the input gradient as B does and W sends nothing: the chunks keep each stage's order."""
+    schedule = build_schedule(name, n, 3 * m, group=m)
+    chunks = plan_p2p(schedule, None, width)
+    replayed = [[(kind, op.m, op.update and kind != "F") for per_stage in chunks for op in per_stage[k]
+                 for kind in (("F", "B") if op.kind == "FB" else (op.kind,))] for k in range(n)]
+    assert replayed == [[(a.kind, a.microbatch, a.update) for a in acts] for acts in schedule.actions]
+    assert runs_without_deadlock(chunks, n)
 
 
 def test_a_schedule_whose_stages_take_messages_out_of_order_is_refused():

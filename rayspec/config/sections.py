@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 from rayspec.config.checks import choice, integer, number, optional_integer
 from rayspec.core.lr import LR_SCHEDULES
-from rayspec.core.methods import BACKWARDS, METHODS, VARIANTS
+from rayspec.core.methods import BACKWARDS, METHODS, VARIANTS, Method
 from rayspec.core.optim import OPTIMIZERS
 from rayspec.core.precision import PRECISIONS
 from rayspec.core.predict import PREDICTORS
+from rayspec.core.schedule import ScheduleError
+from rayspec.core.schedule_text import load_schedule
 from rayspec.core.transports import TRANSPORTS, check_placement
 from rayspec.errors import ConfigError
 from rayspec.partition import PARTITIONS
@@ -30,6 +32,8 @@ _ADDRESS = re.compile(r"^(ray://)?(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}$")  
 
 EXECUTORS = ("local", "ray")
 PLACEMENTS = ("pack", "spread")
+SPLIT_TRANSPORTS = ("auto", "p2p", "p2p_nccl")
+"""The transports whose stage actors run ``I`` and ``W`` actions (the split backward of ``zb1p``)."""
 
 
 class Section:
@@ -63,7 +67,8 @@ class PipelineConfig(Section):
     stages: int = 4
     """Pipeline stages N; at most the model's number of blocks."""
     microbatches: int = 4
-    """``gpipe``: micro-batches each batch is split into (accumulated per update). Others: unused."""
+    """``gpipe``, ``1f1b``, ``zb1p``, ``interleaved``: micro-batches each batch is split into (accumulated per
+    update, the pipeline flushed). Others: unused."""
     accumulate: int = 1
     """``vanilla``, ``async``, ``pipedream``, ``spectrain``: micro-batches each batch is split into, their
     gradients summed into the batch's one update; the 1F1B pipeline streams on across batches (no flush), so
@@ -87,12 +92,24 @@ class PipelineConfig(Section):
     needs. ``p2p`` and ``compiled`` keep what the schedule needs and the inputs of two chunks."""
     placement: str = "pack"
     """Placement-group strategy for the stage actors: ``pack`` or ``spread``."""
+    virtual_stages: int = 1
+    """``interleaved``: model chunks per stage actor (stage actor k holds chunks k, k+N, ...; the model is cut into
+    ``stages * virtual_stages`` chunks). Others: 1."""
+    schedule_file: str | None = None
+    """A schedule in torch's compute-only CSV (one row per stage actor, ``2F0``/``1I3``/``0W5`` cells) run for every
+    batch instead of the method's own (``rayspec.core.schedule_text``); for the synchronous methods (policy none,
+    one update per batch of ``microbatches``); null: the method's schedule."""
 
     @property
     def group(self) -> int:
         """Micro-batches per optimizer update: ``microbatches`` for gpipe, ``accumulate`` for the others."""
         method = METHODS.get(self.method)
         return self.microbatches if method and method.group_setting == "pipeline.microbatches" else self.accumulate
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks the model is cut into: ``stages * virtual_stages`` (one per stage of the schedule)."""
+        return self.stages * self.virtual_stages
 
     def check(self) -> None:
         choice("pipeline.method", self.method, METHODS)
@@ -117,11 +134,12 @@ class PipelineConfig(Section):
                 f"pipeline.executor={self.executor} does not apply to pipeline.method={self.method} (it runs on Ray "
                 "Train); use pipeline.executor=ray, or pipeline.method=vanilla for the single-process reference"
             )
-        if method.pipelined and self.balance is not None and len(self.balance) != self.stages:
+        if method.pipelined and self.balance is not None and len(self.balance) != self.stages * self.virtual_stages:
             raise ConfigError(
-                f"pipeline.balance={self.balance} has {len(self.balance)} entries but pipeline.stages={self.stages}; "
-                "give one block count per stage"
+                f"pipeline.balance={self.balance} has {len(self.balance)} entries but pipeline.stages={self.stages}"
+                f" x pipeline.virtual_stages={self.virtual_stages}; give one block count per stage (model chunk)"
             )
+        self._check_schedule(method)
         for name in ("cpus_per_stage", "gpus_per_stage"):
             v = getattr(self, name)
             if v is not None and (not number(v) or v < 0 or (name == "cpus_per_stage" and v == 0)):
@@ -130,6 +148,41 @@ class PipelineConfig(Section):
         # gpus_per_stage null the cluster decides, and the transport is checked once Ray is up.
         if self.gpus_per_stage is not None:
             check_placement(self.transport, self.gpus_per_stage)
+
+    def _check_schedule(self, method: Method) -> None:
+        """Virtual stages, a schedule file, and the executors and transports that can run split backwards."""
+        integer("pipeline.virtual_stages", self.virtual_stages, 1, "use 1 unless pipeline.method=interleaved")
+        if self.virtual_stages > 1 and method.schedule != "interleaved" and self.schedule_file is None:
+            raise ConfigError(f"pipeline.virtual_stages={self.virtual_stages} applies to pipeline.method=interleaved "
+                              "only; set it to 1 or use the interleaved method")
+        if method.schedule == "interleaved" and self.microbatches % self.stages:
+            raise ConfigError(f"pipeline.microbatches={self.microbatches}: interleaved 1F1B runs micro-batches in "
+                              f"rounds of pipeline.stages={self.stages}; use a multiple of {self.stages}")
+        if method.policy in ("2bw", "predict-2bw") and self.accumulate < self.stages - 1:
+            raise ConfigError(f"pipeline.accumulate={self.accumulate}: {self.method} keeps two weight versions, so no "
+                              "micro-batch may be in flight across two updates; use pipeline.accumulate >= "
+                              f"{self.stages - 1} (pipeline.stages - 1)")
+        virtual, splits = self.virtual_stages, method.schedule == "zb1p"
+        if self.schedule_file is not None:
+            if not (method.flushes and method.policy == "none" and method.group_setting == "pipeline.microbatches"):
+                raise ConfigError(f"pipeline.schedule_file runs one update per batch without staleness; "
+                                  f"pipeline.method={self.method} is not such a method: use 1f1b, zb1p or interleaved")
+            try:
+                schedule = load_schedule(self.schedule_file)
+            except (OSError, ScheduleError) as err:
+                raise ConfigError(f"pipeline.schedule_file={self.schedule_file}: {err}") from None
+            if (schedule.ranks, schedule.microbatches, schedule.virtual) != (self.stages, self.microbatches, virtual):
+                raise ConfigError(
+                    f"pipeline.schedule_file={self.schedule_file} has {schedule.ranks} ranks, {schedule.microbatches} "
+                    f"micro-batches and {schedule.virtual} stages per rank; set pipeline.stages={schedule.ranks} "
+                    f"pipeline.microbatches={schedule.microbatches} pipeline.virtual_stages={schedule.virtual}")
+            splits = schedule.splits_backward
+        if self.executor == "ray" and virtual > 1:
+            raise ConfigError(f"pipeline.virtual_stages={virtual}: the stage actors host one stage each; run the "
+                              "interleaved schedule with pipeline.executor=local")
+        if self.executor == "ray" and splits and self.transport not in SPLIT_TRANSPORTS:
+            raise ConfigError(f"pipeline.transport={self.transport} runs no split backward (I and W actions); use "
+                              f"pipeline.transport={' or '.join(SPLIT_TRANSPORTS)}, or pipeline.executor=local")
 
 
 @dataclass(kw_only=True, slots=True)

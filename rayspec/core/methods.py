@@ -14,8 +14,10 @@ from rayspec.errors import unknown
 
 __all__ = ["Method", "METHODS", "POLICIES", "VARIANTS", "BACKWARDS", "method"]
 
-POLICIES = ("none", "stash", "predict")
-"""What a stage does about staleness: nothing, PipeDream's weight stashing, or SpecTrain's prediction."""
+POLICIES = ("none", "stash", "predict", "2bw", "predict-2bw")
+"""What a stage does about staleness: nothing, PipeDream's weight stashing, SpecTrain's prediction, PipeDream-2BW's
+two versions (the backward at the forward's version, one old copy kept at an update), or 2BW with the forward at a
+prediction of the next version, kept for its backward (``rayspec.core.staleness``)."""
 VARIANTS = ("paper", "consistent")
 """SpecTrain's prediction targets (the authors' v1 and v2; docs/design.md §2)."""
 BACKWARDS = ("mixed", "recompute")
@@ -51,7 +53,7 @@ class Method:
     @property
     def predicts(self) -> bool:
         """Whether stages predict weights ahead (SpecTrain): version differences and the prediction probe apply."""
-        return self.policy == "predict"
+        return self.policy in ("predict", "predict-2bw")
 
 
 _ALL = (
@@ -64,6 +66,18 @@ _ALL = (
     Method("async", "1f1b", "none", "pipeline.accumulate", "1F1B, no staleness mitigation"),
     Method("pipedream", "1f1b", "stash", "pipeline.accumulate", "1F1B with weight stashing"),
     Method("spectrain", "1f1b", "predict", "pipeline.accumulate", "1F1B with SpecTrain weight prediction"),
+    Method("1f1b", "1f1b-flushed", "none", "pipeline.microbatches",
+           "synchronous 1F1B flushed every batch (DeepSpeed, Megatron, torch's Schedule1F1B)", flushes=True),
+    Method("zb1p", "zb1p", "none", "pipeline.microbatches",
+           "ZB-H1: backward split into input (I) and weight (W) gradients, W deferred into the bubble; synchronous",
+           flushes=True),
+    Method("interleaved", "interleaved", "none", "pipeline.microbatches",
+           "interleaved 1F1B, pipeline.virtual_stages model chunks per stage actor; synchronous", flushes=True),
+    Method("pipedream-2bw", "1f1b", "2bw", "pipeline.accumulate",
+           "PipeDream-2BW: 1F1B, an update per batch, two weight versions, each backward at its forward's version"),
+    Method("spectrain-2bw", "1f1b", "predict-2bw", "pipeline.accumulate",
+           "2BW whose forward runs at SpecTrain's prediction of the update its backward will see, and the backward "
+           "at the same weights (spectrain: the backward at the stored ones)"),
 )
 METHODS: dict[str, Method] = {m.name: m for m in _ALL}
 """Every method by name, in the order the README lists them."""

@@ -38,6 +38,7 @@ from rayspec.core.optim import Optimizer, OptimSpec, sgd_state
 from rayspec.core.precision import PRECISIONS, autocast, boundary
 from rayspec.core.predict import PREDICTORS, PredictionProbe
 from rayspec.core.rng import rng_state, set_rng_state
+from rayspec.core.split import SplitBackward
 from rayspec.core.staleness import ActionWeights
 from rayspec.core.timing import StageClock
 
@@ -56,6 +57,7 @@ class _InFlight:
     version: int
     rng: tuple[torch.Tensor, ...] | None = None
     labels: torch.Tensor | None = None  # last stage under recompute
+    split: Any = None  # between I and W: the outputs and their gradients (rayspec.core.split)
 
 
 @dataclass
@@ -71,7 +73,7 @@ class StageStats:
     gradients to the previous one (``B``); what the transport moves across its boundaries."""
 
 
-class Stage:
+class Stage(SplitBackward):
     """Stage ``index`` of ``num_stages``: runs forwards and backwards of micro-batches.
 
     Args:
@@ -143,7 +145,7 @@ class Stage:
         self.lr = lr if isinstance(lr, LRSchedule) else LRSchedule(float(lr))
         spec = OptimSpec(optimizer, momentum, weight_decay, dampening, nesterov, (float(betas[0]), float(betas[1])),
                          eps, fused)
-        self.optimizer = Optimizer(self.params, spec, keep_last=policy == "predict")
+        self.optimizer = Optimizer(self.params, spec, keep_last=policy.startswith("predict"))
         self.loss_fn = loss_fn or nn.functional.cross_entropy
         self.version = 0
         self.pending = 0  # backwards accumulated since the last update
@@ -159,7 +161,7 @@ class Stage:
         self.clock = StageClock(trace)  # host time on CPU, CUDA events on a GPU (settled when read)
         self.checks = FiniteChecks(index)  # on a GPU: flags on the device, raised at checks.flush()
         self.predictor = predictor
-        self.probe = PredictionProbe(self.params, probe, self._seed) if policy == "predict" and probe > 0 else None
+        self.probe = PredictionProbe(self.params, probe, self._seed) if policy.startswith("predict") and probe > 0 else None
         self.weights = ActionWeights(self.params, policy, self.optimizer, self.lr, predictor, self.probe, record,
                                      self._track_memory)
         self.timeline: list[tuple[str, int, float, float]] = []  # (kind, micro-batch, start, end) in epoch s
@@ -291,6 +293,7 @@ class Stage:
             if problem is not None:
                 raise FloatingPointError(f"{problem} at update {self.version + 1} on stage {self.index}; "
                                          "lower optim.lr or add warm-up (optim.warmup)")
+        self.weights.updating(self.version)  # 2bw: keeps the version its forwards in flight ran at
         self.optimizer.step(self.lr(self.version))
         self.optimizer.zero_grad()
         self.version += 1

@@ -19,6 +19,7 @@ from rayspec.core.lr import LRSchedule
 from rayspec.core.optim import Optimizer
 from rayspec.core.predict import PredictionProbe, coefficients
 from rayspec.core.swap import Swap, WeightSwap
+from rayspec.core.two_versions import TWO_VERSIONS, TwoVersions
 
 __all__ = ["ActionWeights"]
 
@@ -47,20 +48,30 @@ class ActionWeights:
         self.stash: dict[int, tuple[list[torch.Tensor], int]] = {}  # version -> (weights, users)
         self.scratch: list[torch.Tensor] | None = None  # one copy, allocated on first use
         self.on_memory = on_memory
+        self.two = TwoVersions(self)
 
     # ------------------------------------------------------------------ per action
     def forward(self, m: int, s: int, version: int) -> contextlib.AbstractContextManager[None]:
         """The weights of ``F(m)`` at ``version``, ``s`` versions ahead (``predict``); stashes them (``stash``)."""
         if self.policy == "stash":
             self._stash(version)
+        if self.policy in TWO_VERSIONS:
+            return self.two.forward(m, s, version)
         return self._predicted("F", m, s, version)
 
     def backward(self, m: int, s: int, version: int, forward_version: int) -> contextlib.AbstractContextManager[None]:
-        """The weights of ``B(m)`` at ``version``: ``F(m)``'s (``stash``, released on exit), or a prediction ``s``
-        versions ahead (``predict``)."""
+        """The weights of ``B(m)`` at ``version``: ``F(m)``'s (``stash``, released on exit; ``2bw`` and
+        ``predict-2bw``: the kept copy), or a prediction ``s`` versions ahead (``predict``)."""
+        if self.policy in TWO_VERSIONS:
+            return self.two.backward(m, version, forward_version)
         if self.policy != "stash":
             return self._predicted("B", m, s, version)
         return self._stashed(m, version, forward_version)
+
+    def updating(self, version: int) -> None:
+        """The stage is about to leave ``version`` (``2bw``: keep a copy for the backwards still to come)."""
+        if self.policy in TWO_VERSIONS:
+            self.two.updating(version)
 
     @contextlib.contextmanager
     def _stashed(self, m: int, version: int, forward_version: int) -> Iterator[None]:
@@ -114,7 +125,7 @@ class ActionWeights:
     def _stash(self, version: int) -> None:
         weights, users = self.stash.get(version, (None, 0))
         copied = weights is None
-        self.stash[version] = ([p.data.clone() for p in self.params] if copied else weights, users + 1)
+        self.stash[version] = ([p.data.clone() for p in self.params] if weights is None else weights, users + 1)
         if copied:  # only a new copy can raise the peak
             self.on_memory()
 
@@ -142,3 +153,4 @@ class ActionWeights:
         """Forget the copies (a drained stage moved or reloaded): no stash, a new scratch on next use."""
         self.stash.clear()
         self.scratch = None
+        self.two.clear()

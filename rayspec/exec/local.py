@@ -1,4 +1,6 @@
-"""``LocalExecutor``: every stage in this process, actions in the schedule's global order; the reference."""
+"""``LocalExecutor``: every stage in this process, actions in the schedule's global order; the reference.
+
+It runs every schedule: split backwards (``I``, ``W``) and virtual stages (a stage per model chunk) included."""
 
 from __future__ import annotations
 
@@ -61,9 +63,14 @@ class LocalExecutor(Executor):
                     gi = stage.backward(m, None, s=sb, update=update)
                     if k > 0:
                         grads[(k, m)] = gi
-            else:
+            elif a.kind == "W":
+                stage.backward_weight(m, update=a.update)
+            else:  # B, or I: the input gradient of a split backward
                 g = None if k == n - 1 else grads.pop((k + 1, m))
-                gi = stage.backward(m, g, s=p.s, update=a.update)
+                if a.kind == "I":
+                    gi = stage.backward_input(m, g)
+                else:
+                    gi = stage.backward(m, g, s=p.s, update=a.update)
                 if k > 0:
                     grads[(k, m)] = gi
             if stage.waiting:

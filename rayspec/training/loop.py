@@ -16,6 +16,7 @@ import torch
 from rayspec.core.methods import METHODS
 from rayspec.core.predict import window as prediction_window
 from rayspec.core.schedule import build_schedule
+from rayspec.core.schedule_text import load_schedule
 from rayspec.core.stage import Stage, make_stages
 from rayspec.data.loader import train_batches
 from rayspec.exec import Executor, LocalExecutor
@@ -209,7 +210,9 @@ class _RunLoop:
         last_scored = executor.stage_stats() if scoring and tally.done else None
         while tally.done < end:
             updates = _boundary(tally.done, end, c.train.eval_every, ck.every) - tally.done
-            schedule = build_schedule(method.schedule, p.stages, updates * p.group, group=p.group)
+            schedule = (load_schedule(p.schedule_file, updates) if p.schedule_file else
+                        build_schedule(method.schedule, p.stages, updates * p.group, group=p.group,
+                                       virtual=p.virtual_stages))
             t0, wall0 = time.perf_counter(), time.time()
             executor.run(schedule, stream, on_loss=progress.loss)
             tally.train_s += time.perf_counter() - t0

@@ -126,7 +126,7 @@ def _kept_balance(resume: dict[str, Any], saved: dict[str, Any], config: Config)
     stage count and ``pipeline.partition``. Else None: the partition is chosen as configured and the
     checkpoint's state re-split onto it (``rayspec.training.resplit``)."""
     p, balance = config.pipeline, list(resume["balance"])
-    if p.balance is not None or len(balance) != p.stages:
+    if p.balance is not None or len(balance) != p.chunks:
         return None
     partition = saved.get("pipeline", {}).get("partition", "uniform")
     return balance if partition == p.partition else None
@@ -150,13 +150,13 @@ def _partition(model: nn.Sequential, data: DataBundle, config: Config, balance: 
     (a resumed checkpoint's that the run keeps) wins over the config's.
     """
     p = config.pipeline
-    uniform(len(model), p.stages)  # the same clear error for too many stages, whatever the partition
+    uniform(len(model), p.chunks)  # the same clear error for too many stages, whatever the partition
     balance = balance if balance is not None else p.balance
     if balance is not None:
-        check_balance(balance, len(model), p.stages)
+        check_balance(balance, len(model), p.chunks)
     profiled = p.partition == "profile" and balance is None
     profiles = profile_blocks(model, profile_sample(data, config), warmup=1, repeats=3 if profiled else 1)
-    return choose_partition(model, p.stages, partition=p.partition, balance=balance, profiles=profiles)
+    return choose_partition(model, p.chunks, partition=p.partition, balance=balance, profiles=profiles)
 
 
 def profile_sample(data: DataBundle, config: Config) -> Any:
@@ -170,7 +170,7 @@ def replan(prepared: Prepared, profiles: list[BlockProfile]) -> Prepared:
     ``profile`` partition may move; a given or resumed balance stays, with the new times in its table."""
     c = prepared.config
     balance = prepared.balance if (prepared.resume is not None or c.pipeline.balance is not None) else None
-    plan = choose_partition(prepared.model, c.pipeline.stages, partition=c.pipeline.partition, balance=balance,
+    plan = choose_partition(prepared.model, c.pipeline.chunks, partition=c.pipeline.partition, balance=balance,
                             profiles=profiles)
     return dataclasses.replace(prepared, balance=list(plan.balance), plan=plan)
 

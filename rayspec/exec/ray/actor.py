@@ -77,6 +77,16 @@ class StageActor:
         self.losses[m] = self.stage.forward(m, self._here(x), self._here(labels), s)
         return _contiguous(self.stage.backward(m, None, s_b, update))
 
+    def backward_input(self, m: int, grad: Activation | None = None) -> Activation:
+        """``I(m)``: the input-gradient half of a split backward (``rayspec.core.split``)."""
+        self._raise_failed()
+        return _contiguous(self.stage.backward_input(m, self._here(grad)))
+
+    def backward_weight(self, m: int, update: bool = False) -> None:
+        """``W(m)``: the weight-gradient half of a split backward; ``update`` steps the optimizer after it."""
+        self._raise_failed()
+        self.stage.backward_weight(m, update)
+
     def pop_losses(self) -> dict[int, float]:
         """The losses since the last call, fetched from the device at once (one synchronization per chunk); raises
         for a non-finite loss or gradient since the last call (``FiniteChecks``)."""

@@ -18,7 +18,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayspec.core.activations import Activation
-from rayspec.core.schedule import Schedule
+from rayspec.core.schedule import Schedule, ScheduleError
 from rayspec.core.stage import Stage
 from rayspec.core.transports import check_global_norm, nccl_kind, resolve_transport
 from rayspec.exec.base import Executor, MicrobatchFeed, check_stages, clips_globally
@@ -183,6 +183,12 @@ class RayExecutor(Executor):
         microbatches: Iterable[tuple[Activation, torch.Tensor]],
         on_loss: Callable[[int, float], None] | None = None,
     ) -> list[float]:
+        if schedule.virtual > 1:
+            raise ScheduleError(f"the {schedule.name} schedule puts {schedule.virtual} stages on each rank, but a stage "
+                                "actor hosts one stage; run it with pipeline.executor=local")
+        if schedule.splits_backward and self.transport not in ("p2p", "p2p_nccl"):
+            raise ScheduleError(f"pipeline.transport={self.transport} runs no split backward (I and W actions); use "
+                                "pipeline.transport=p2p or p2p_nccl, or pipeline.executor=local")
         check_stages(schedule, self.num_stages)
         feed = MicrobatchFeed(microbatches, schedule.microbatches)
         losses: dict[int, float] = {}

@@ -139,6 +139,11 @@ class P2PEndpoint:
                 self.wait_sends([(src[0], t) for t in op.retire])
             if op.kind == "B":
                 out = self.ops.backward(op.m, received, op.s, op.update)
+            elif op.kind == "I":
+                out = self.ops.backward_input(op.m, received)
+            elif op.kind == "W":
+                self.ops.backward_weight(op.m, op.update)
+                out = None
             else:
                 x = data.pop(op.m) if k == 0 else received
                 labels = data.pop(("y", op.m), None)  # numpy from the driver: forward() makes them tensors
@@ -147,7 +152,7 @@ class P2PEndpoint:
                 else:
                     out = self.ops.forward(op.m, x, labels, op.s)
             kind, to = ("F", k + 1) if op.kind == "F" else ("B", k - 1)
-            if 0 <= to < n:
+            if 0 <= to < n and op.kind != "W":
                 self.send(out, to, tag(kind, op.m))
             if self.ops.stage.waiting:  # global clipping: its gradient is sent, now the norms
                 self.finish_update()
@@ -293,10 +298,10 @@ class P2PTransport(Transport):
                 data: list[dict] = [{} for _ in range(n)]
                 # numpy arrays: Ray ships them without a copy; tensors would be pickled (ms each)
                 for op in per_stage[0]:
-                    if op.kind != "B":
+                    if op.kind in ("F", "FB"):
                         data[0][op.m] = to_wire(feed.input(op.m))
                 for op in per_stage[last]:
-                    if op.kind != "B":
+                    if op.kind in ("F", "FB"):
                         data[last][("y", op.m)] = to_wire(feed.labels(op.m))
                 final = c == len(chunks) - 1
                 pending.append([a.p2p_run.remote(per_stage[k], data[k], final) for k, a in enumerate(self.actors)])

@@ -32,6 +32,8 @@ from rayspec.exec.base import ordered_actions
 __all__ = ["P2POp", "plan_p2p", "source", "tag"]
 
 _FORWARD, _BACKWARD = 0, 1  # tag = 2 * micro-batch + direction
+_RUNS = {"F": ("F",), "B": ("B",), "FB": ("F", "B"), "I": ("B",), "W": ()}
+"""The directions whose message an op makes: a split backward's I sends the input gradient, its W nothing."""
 
 
 def tag(kind: str, m: int) -> int:
@@ -41,7 +43,8 @@ def tag(kind: str, m: int) -> int:
 
 @dataclass(frozen=True)
 class P2POp:
-    """One action of a stage's chunk: ``F``, ``B`` or the last stage's fused ``FB`` of micro-batch ``m``."""
+    """One action of a stage's chunk: ``F``, ``B``, the last stage's fused ``FB``, or a split backward's ``I`` (sends
+    the input gradient as ``B`` does) and ``W`` (no message) of micro-batch ``m``."""
 
     kind: ActionKind
     m: int
@@ -55,8 +58,8 @@ def _retire(ops: list[list[P2POp]]) -> list[list[P2POp]]:
     """``ops`` with each op's ``retire``: the sends to its source that the source consumed before it sent this
     op's input, so waiting on them returns at once ([Note: finished sends])."""
     n = len(ops)
-    index = [{(kind, op.m): i for i, op in enumerate(stage) for kind in ("F", "B") if kind in op.kind}
-             for stage in ops]  # stage -> (F|B, m) -> position of the op that runs it
+    index = [{(kind, op.m): i for i, op in enumerate(stage) for kind in _RUNS[op.kind]}
+             for stage in ops]  # stage -> (F|B, m) -> position of the op that runs it (I: the B direction)
     out = []
     for k in range(n):
         pending: dict[int, list[tuple[int, int]]] = {k - 1: [], k + 1: []}  # peer -> (its consuming op, tag)
@@ -71,7 +74,7 @@ def _retire(ops: list[list[P2POp]]) -> list[list[P2POp]]:
                 pending[peer] = [(at, tag) for at, tag in pending[peer] if at > made]
             retired.append(dataclasses.replace(op, retire=done))
             kind, to = ("F", k + 1) if op.kind == "F" else ("B", k - 1)
-            if 0 <= to < n:
+            if 0 <= to < n and op.kind != "W":  # W sends nothing
                 pending[to].append((index[to][(kind, op.m)], tag(kind, op.m)))
         out.append(retired)
     return out
@@ -86,7 +89,7 @@ def _check_order(ops: list[list[P2POp]], name: str) -> None:
             if not 0 <= peer < n:
                 continue
             taken = [op.m for op in ops[k] if source(op, k, n) == (peer, tag(kind, op.m))]
-            sent = [op.m for op in ops[peer] if (op.kind == "F") == (kind == "F")]  # F sends on, B and FB back
+            sent = [op.m for op in ops[peer] if op.kind != "W" and (op.kind == "F") == (kind == "F")]  # F on, B back
             if taken != sent:
                 raise ScheduleError(f"the {name} schedule has stage {k} take stage {peer}'s {kind} messages in the order "
                                     f"{taken[:8]}, not the order {sent[:8]} they are sent in; p2p needs both in one order")
@@ -132,24 +135,26 @@ def plan_p2p(schedule: Schedule, s: dict | None, width: int) -> list[list[list[P
         for i, op in enumerate(ops[k]):
             while i >= cuts[c]:
                 c += 1
-            for kind in ("F", "B") if op.kind == "FB" else (op.kind,):
-                at[(kind, op.m)] = c
+            for kind in ("F", "B") if op.kind == "FB" else ("B",) if op.kind == "I" else (op.kind,):
+                at[(kind, op.m)] = c  # I: where the B direction's message of m is made and taken
         where.append(at)
     for k in range(n):
         for (kind, m), c in where[k].items():
             src = k - 1 if kind == "F" else k + 1
-            if 0 <= src < n and where[src][(kind, m)] > c:
+            if kind != "W" and 0 <= src < n and where[src][(kind, m)] > c:
                 raise ScheduleError(f"stage {k}'s {kind}({m}) in chunk {c} needs stage {src}'s output of chunk "
                                     f"{where[src][(kind, m)]}: the {schedule.name} schedule cannot run in chunks of {width}")
     out: list[list[list[P2POp]]] = [[[] for _ in range(n)] for _ in range(chunks)]
     for k in range(n):
         for op in ops[k]:
-            out[where[k][("F" if op.kind == "F" else "B", op.m)]][k].append(op)
+            out[where[k][("F" if op.kind == "F" else "W" if op.kind == "W" else "B", op.m)]][k].append(op)
     return out
 
 
 def source(op: P2POp, k: int, n: int) -> tuple[int, int] | None:
     """The neighbour and tag that op ``op`` of stage ``k`` (of ``n``) receives its input from, if any."""
-    if op.kind == "B":
+    if op.kind == "W":
+        return None
+    if op.kind in ("B", "I"):
         return (k + 1, tag("B", op.m)) if k < n - 1 else None
     return (k - 1, tag("F", op.m)) if k > 0 else None
