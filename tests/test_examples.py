@@ -16,7 +16,8 @@ def test_compare_methods_runs():
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [line for line in res.stdout.splitlines() if "val_accuracy" in line]
-    assert [line.split()[0] for line in lines] == ["vanilla", "gpipe", "async", "pipedream", "spectrain"]
+    assert [line.split()[0] for line in lines] == ["vanilla", "gpipe", "1f1b", "zb1p", "async", "pipedream", "pipedream-2bw",
+                                                       "spectrain"]
 
 
 def test_custom_model_trains_in_one_process():

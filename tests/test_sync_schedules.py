@@ -12,7 +12,7 @@ from rayspec.core.schedule import build_schedule
 from rayspec.core.schedule_text import load_schedule, to_csv
 from rayspec.exec import LocalExecutor
 from rayspec.models import build_model
-from rayspec.training import train
+from rayspec.training import run_training as train
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +103,8 @@ def test_training_runs_them_from_the_config(tiny, tmp_path, method, pipeline):
     cfg = _config(method, **pipeline)
     cfg["train"] = {"max_steps": 3, "batch_size": 16, "log_every": 1, "eval_every": 0}
     cfg["optim"] = {"lr": 0.05}
-    reference = train(from_mapping(_config("gpipe") | {"train": cfg["train"], "optim": cfg["optim"]}), tmp_path / "g",
-                      echo=lambda _: None)
-    got = train(from_mapping(cfg), tmp_path / "r", echo=lambda _: None)
+    reference = train(from_mapping(_config("gpipe") | {"train": cfg["train"], "optim": cfg["optim"]}), tmp_path / "g")
+    got = train(from_mapping(cfg), tmp_path / "r")
     assert len(got["stage_stats"]) == 2 * pipeline.get("virtual_stages", 1)
     a = torch.load(tmp_path / "g" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "r" / "model.pt", weights_only=True)

@@ -10,7 +10,7 @@ from rayspec.config import from_mapping
 from rayspec.core.methods import METHODS
 from rayspec.core.schedule import build_schedule
 from rayspec.exec import LocalExecutor
-from rayspec.training import train
+from rayspec.training import run_training as train
 
 
 def run_2bw(model, data, method, n, group, updates=6, **kw):
@@ -95,12 +95,11 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, method):
         "optim": {"lr": 0.08, "weight_decay": 1e-3, "schedule": "poly"},
         "checkpoint": {"every": 5, "keep": 2},
     }
-    quiet = {"echo": lambda _: None}
-    full = train(from_mapping(cfg), tmp_path / "a", **quiet)
+    full = train(from_mapping(cfg), tmp_path / "a")
     with pytest.raises(Stop):
-        train(from_mapping(cfg), tmp_path / "b", callbacks=[StopAfter(7)], **quiet)
+        train(from_mapping(cfg), tmp_path / "b", callbacks=[StopAfter(7)])
     cfg["checkpoint"]["resume"] = "auto"
-    resumed = train(from_mapping(cfg), tmp_path / "b", **quiet)
+    resumed = train(from_mapping(cfg), tmp_path / "b")
     assert resumed["resumed_from"] == 5
     a = torch.load(tmp_path / "a" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "b" / "model.pt", weights_only=True)
