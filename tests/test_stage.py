@@ -272,8 +272,9 @@ def test_swap_copies_a_tensor_that_shares_its_storage():
 
 def test_a_non_finite_gradient_is_named_and_a_huge_finite_one_passes():
     from rayspec.core.stage import Stage
+    from rayspec.core.stage_spec import StageSpec
 
-    stage = Stage(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), 0, 1, lr=0.0)
+    stage = Stage(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), StageSpec(lr=0.0), 0, 1)
     for p in stage.params:
         p.grad = torch.full_like(p, 3e38)  # finite, but the sum overflows
     stage.step()

@@ -48,6 +48,7 @@ nothing rayspec needs is kept there (no Ray Train checkpoints are written).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -66,7 +67,7 @@ from rayspec.data.loader import train_batches
 from rayspec.errors import ConfigError
 from rayspec.exec.base import stage_stats
 from rayspec.training.checkpoint import CheckpointStore, payload
-from rayspec.training.prepare import Prepared, stage_settings
+from rayspec.training.prepare import Prepared, stage_spec
 from rayspec.training.progress import Progress, keep_metrics
 from rayspec.training.report import evaluate, report_stages, write_summary
 
@@ -286,8 +287,9 @@ def _worker_loop(loop_config: dict[str, Any]) -> None:
         # One stage holding the whole model: the update is the pipeline stages' own Stage.step (its clipping
         # norm is the whole model's: DDP averaged the gradients). Its own random stream per rank (dropout):
         # ranks see different samples.
-        settings = {**stage_settings(c), "backward": "mixed", "trace": False, "seed": c.seed + 1_000_003 * rank}
-        stage = Stage(replica, 0, 1, policy="none", group=1, device=device, **settings)
+        spec = dataclasses.replace(stage_spec(c), policy="none", group=1, backward="mixed", trace=False,
+                                   seed=c.seed + 1_000_003 * rank, device=device)
+        stage = Stage(replica, spec, 0, 1)
         start = 0
         if loop_config["resume"] is not None:  # the replicas' weights and momentum from rank 0, each rank's own stream
             resume = ray.get(loop_config["resume"])
