@@ -395,3 +395,13 @@ def test_tuple_activations_carry_gradients():
     ref = plain_sgd(model, D, updates=8, batch=8)
     got = run_local(model, D, "vanilla", 4, updates=8, batch=8)[0].state_dict()
     assert_same_weights(got, ref)
+
+
+def test_a_stage_spec_refuses_an_unknown_setting_where_it_is_made():
+    from rayspec.core.stage_spec import StageSpec
+
+    for setting in ({"policy": "lookahead"}, {"backward": "twice"}, {"predictor": "quadratic"},
+                    {"precision": "fp16"}, {"clip_scope": "layer"}):
+        (name, value), = setting.items()
+        with pytest.raises(ValueError, match=f"{name}='{value}' is unknown; choose one of"):
+            StageSpec(**setting)
