@@ -54,8 +54,10 @@ from benchmarks._common import start_ray, table, write
 from benchmarks.partition import build
 from rayspec.core.activations import activation_bytes
 from rayspec.core.methods import METHODS
+from rayspec.core.optim import OptimSpec
 from rayspec.core.schedule import build_schedule
 from rayspec.core.stage import make_stages
+from rayspec.core.stage_spec import StageSpec
 from rayspec.data import DataInfo
 from rayspec.exec import LocalExecutor
 from rayspec.models import MODELS, ModelError
@@ -172,7 +174,7 @@ def count_bytes(model: nn.Sequential, info: DataInfo, batch: int, balance: Seque
                          f"{', '.join(COUNT_METHODS)}")
     parts = split(copy.deepcopy(model), balance)
     n = len(parts)
-    stages = make_stages(parts, method, lr=0.01, momentum=0.9, seed=seed)
+    stages = make_stages(parts, method, StageSpec(lr=0.01, optim=OptimSpec(momentum=0.9), seed=seed))
     schedule = build_schedule(METHODS[method].schedule, n, updates)
     batches = [example_batch(info, batch, seed + i) for i in range(updates)]
     if executor == "local":

@@ -30,14 +30,16 @@ import torch
 from torch import nn
 
 from benchmarks._common import SleepBlock, free_port, start_ray, table, write
+from rayspec.core.optim import OptimSpec
 from rayspec.core.schedule import build_schedule
 from rayspec.core.stage import Stage
+from rayspec.core.stage_spec import StageSpec
 from rayspec.exec.ray import RayExecutor
 
 
 def _stages(n: int, f: float, b: float, group: int) -> list[Stage]:
-    return [Stage(nn.Sequential(SleepBlock(f, b)), k, n, lr=1e-3, momentum=0.9, group=group,
-                  loss_fn=lambda out, y: out.float().mean()) for k in range(n)]
+    spec = StageSpec(lr=1e-3, optim=OptimSpec(momentum=0.9), group=group, loss_fn=lambda out, y: out.float().mean())
+    return [Stage(nn.Sequential(SleepBlock(f, b)), spec, k, n) for k in range(n)]
 
 
 def measure(schedule_name: str, n: int, m: int, f: float, b: float, repeats: int, width: int,
@@ -137,7 +139,8 @@ def measure_real(schedule_name: str, n: int, m: int, model_name: str, size: str,
     model = build_model(model_name, info, size)
     group = m if schedule_name == "gpipe" else 1
     parts = split(model, by_parameters(model, n))
-    stages = [Stage(p, k, n, lr=1e-3, momentum=0.9, group=group) for k, p in enumerate(parts)]
+    spec = StageSpec(lr=1e-3, optim=OptimSpec(momentum=0.9), group=group)
+    stages = [Stage(p, spec, k, n) for k, p in enumerate(parts)]
     schedule = build_schedule(schedule_name, n, m, group=group)
     x, y = torch.randn(batch, *info.input_shape), torch.randint(10, (batch,))
     ex = RayExecutor(stages, "async", transport=transport, cpus_per_stage=1.0)

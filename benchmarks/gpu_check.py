@@ -37,9 +37,11 @@ import torch
 from benchmarks._common import machine, table, write
 from rayspec.core.device import deterministic
 from rayspec.core.methods import METHODS
+from rayspec.core.optim import OptimSpec
 from rayspec.core.schedule import build_schedule
 from rayspec.core.stage import Stage
 from rayspec.core.stage import make_stages as stages_for
+from rayspec.core.stage_spec import StageSpec
 from rayspec.core.transports import TRANSPORTS, resolve_transport
 from rayspec.data import build_data
 from rayspec.errors import ConfigError
@@ -56,7 +58,7 @@ COLUMNS = ["transport", "placement", "method", "equal", "max |w diff|", "samples
 
 def make_stages(model: torch.nn.Sequential, method: str, n: int, group: int) -> list[Stage]:
     parts = split(copy.deepcopy(model), uniform(len(model), n))
-    return stages_for(parts, method, lr=0.05, momentum=0.9, weight_decay=1e-4, group=group)
+    return stages_for(parts, method, StageSpec(lr=0.05, optim=OptimSpec(momentum=0.9, weight_decay=1e-4), group=group))
 
 
 def batches(data: Any, updates: int, batch: int, group: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

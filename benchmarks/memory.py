@@ -38,8 +38,10 @@ import torch
 from benchmarks._common import table, write
 from benchmarks.partition import build
 from rayspec.core.methods import METHODS
+from rayspec.core.optim import OptimSpec
 from rayspec.core.schedule import build_schedule
 from rayspec.core.stage import make_stages
+from rayspec.core.stage_spec import StageSpec
 from rayspec.data import DataInfo
 from rayspec.exec import LocalExecutor
 from rayspec.models import ModelError
@@ -125,7 +127,7 @@ def stage_memory(
         (whether every loss was finite; the memory does not depend on it).
     """
     parts = split(copy.deepcopy(model), balance)
-    stages = make_stages(parts, method, lr=lr, momentum=momentum)
+    stages = make_stages(parts, method, StageSpec(lr=lr, optim=OptimSpec(momentum=momentum)))
     ex = LocalExecutor(stages, method, variant)
     m = microbatch_count(n)
     schedule = build_schedule(METHODS[method].schedule, n, m)

@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from benchmarks._common import start_ray, table, write
+from rayspec.core.optim import OptimSpec
 from rayspec.core.schedule import build_schedule
 from rayspec.core.stage import Stage
+from rayspec.core.stage_spec import StageSpec
 from rayspec.exec.ray import RayExecutor
 
 
@@ -78,8 +80,8 @@ def main() -> None:
     start_ray()
     env = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
     bare = [Bare.options(runtime_env=env).remote() for _ in range(n)]
-    stages = [Stage(nn.Sequential(Scale()), k, n, lr=1e-6, momentum=0.9, loss_fn=lambda o, y: o.mean())
-              for k in range(n)]
+    spec = StageSpec(lr=1e-6, optim=OptimSpec(momentum=0.9), loss_fn=lambda o, y: o.mean())
+    stages = [Stage(nn.Sequential(Scale()), spec, k, n) for k in range(n)]
     ex = RayExecutor(stages, "async", transport="object_store", cpus_per_stage=0.01)
     rows = []
     try:

@@ -94,7 +94,9 @@ from benchmarks.peer_setup import (
     rayspec_schedule,
 )
 from benchmarks.torch_peer import TorchPeer
+from rayspec.core.optim import OptimSpec
 from rayspec.core.stage import make_stages
+from rayspec.core.stage_spec import StageSpec
 
 
 # ----------------------------------------------------------------------------- rayspec side
@@ -110,8 +112,8 @@ class RayspecRunner:
         self.runner, self.cfg = runner, cfg
         method = "spectrain" if runner.startswith("spectrain") else "gpipe"
         self.group = rayspec_schedule(runner, cfg.microbatches, 1).group
-        stages = make_stages([copy.deepcopy(p) for p in parts], method, lr=cfg.lr, momentum=cfg.momentum,
-                             group=self.group)
+        spec = StageSpec(lr=cfg.lr, optim=OptimSpec(momentum=cfg.momentum), group=self.group)
+        stages = make_stages([copy.deepcopy(p) for p in parts], method, spec)
         self.batches = make_batches(cfg)
         self.done = 0
         self.executor = RayExecutor(stages, method, transport=transport, cpus_per_stage=cpus_per_stage)

@@ -38,7 +38,9 @@ import rayspec.core.swap
 from benchmarks._common import table, write
 from benchmarks.peer_setup import PeerConfig, build_parts, make_batches
 from rayspec.core.finite import FiniteChecks
+from rayspec.core.optim import OptimSpec
 from rayspec.core.stage import Stage
+from rayspec.core.stage_spec import StageSpec
 
 RUNS = {  # name: (policy, update every, s, pointer swap, optimizer settings)
     "gpipe": ("none", None, 0, True, {}),
@@ -54,8 +56,10 @@ RUNS = {  # name: (policy, update every, s, pointer swap, optimizer settings)
 def per_microbatch_s(part: torch.nn.Module, index: int, inputs: list, labels: list, grad: torch.Tensor | None,
                      policy: str, every: int, s: int, count: int, optim: dict | None = None) -> float:
     """Seconds per F + B of one stage in steady state (8 micro-batches of warm-up first)."""
-    settings = {"lr": 0.01, "momentum": 0.9, **(optim or {})}
-    stage = Stage(copy.deepcopy(part), index, 2, policy=policy, group=every, **settings)
+    settings = {"momentum": 0.9, **(optim or {})}
+    lr, name = settings.pop("lr", 0.01), settings.pop("optimizer", "sgd")
+    spec = StageSpec(lr=lr, optim=OptimSpec(name, **settings), policy=policy, group=every)
+    stage = Stage(copy.deepcopy(part), spec, index, 2)
     last = index == 1
 
     def one(m: int) -> None:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 
 import pytest
 import torch
 
 from rayspec.core.methods import METHODS as REGISTRY
+from rayspec.core.optim import OptimSpec
 from rayspec.core.schedule import build_schedule
 from rayspec.core.stage import make_stages as stages_for
+from rayspec.core.stage_spec import StageSpec
 from rayspec.data import build_data
 from rayspec.exec import LocalExecutor
 from rayspec.models import build_model
@@ -40,12 +43,23 @@ def tiny():
     return model, data
 
 
+def spec_of(optimizer="sgd", **settings):
+    """A ``StageSpec`` from flat settings: ``optimizer`` and ``OptimSpec``'s fields (``momentum``, ``betas``, ...) go
+    into its ``optim``, the rest are ``StageSpec``'s own (``lr``, ``group``, ``clip_grad_norm``, ...)."""
+    optim = {k: settings.pop(k) for k in OPTIM_FIELDS & set(settings)}
+    return StageSpec(optim=OptimSpec(optimizer, **optim), **settings)
+
+
+OPTIM_FIELDS = {f.name for f in dataclasses.fields(OptimSpec)} - {"name"}
+
+
 def make_stages(model, method, n, *, lr=0.05, momentum=0.9, weight_decay=1e-4, group=None, record=False,
                 backward="mixed", nesterov=False, predictor="linear", probe=4096, **settings):
-    """``settings``: more of ``Stage``'s keyword arguments (``optimizer``, ``betas``, ``clip_grad_norm``, ...)."""
+    """``settings``: more stage settings (``optimizer``, ``betas``, ``clip_grad_norm``, ...; ``spec_of``)."""
     parts = split(copy.deepcopy(model), uniform(len(model), n))
-    return stages_for(parts, method, lr=lr, momentum=momentum, weight_decay=weight_decay, group=group or 1,
-                      record=record, backward=backward, nesterov=nesterov, predictor=predictor, probe=probe, **settings)
+    return stages_for(parts, method, spec_of(lr=lr, momentum=momentum, weight_decay=weight_decay, group=group or 1,
+                                             record=record, backward=backward, nesterov=nesterov, predictor=predictor,
+                                             probe=probe, **settings))
 
 
 def microbatches(data, updates, batch, group=1):

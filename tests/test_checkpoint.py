@@ -14,6 +14,7 @@ from conftest import Stop, StopAfter
 
 from rayspec.config import ConfigError, from_mapping
 from rayspec.core.stage import Stage
+from rayspec.core.stage_spec import StageSpec
 from rayspec.training import run_training
 from rayspec.training.checkpoint import CheckpointStore, load_checkpoint
 
@@ -190,7 +191,7 @@ def test_non_finite_gradient_names_the_parameter_update_and_stage():
         def forward(self, x):
             return torch.sqrt(x * 0)
 
-    stage = Stage(torch.nn.Sequential(torch.nn.Linear(4, 3), ZeroSqrt()), 1, 2, lr=0.1)
+    stage = Stage(torch.nn.Sequential(torch.nn.Linear(4, 3), ZeroSqrt()), StageSpec(lr=0.1), 1, 2)
     stage.forward(0, torch.randn(2, 4), torch.tensor([0, 1]))
     with pytest.raises(FloatingPointError, match=r"gradient of 0.weight is not finite at update 1 on stage 1"):
         stage.backward(0, update=True)

@@ -12,8 +12,10 @@ import torch
 from test_train import compose_config
 
 from rayspec.config import from_mapping
+from rayspec.core.optim import OptimSpec
 from rayspec.core.schedule import build_schedule
 from rayspec.core.stage import make_stages as stages_for
+from rayspec.core.stage_spec import StageSpec
 from rayspec.data import build_data
 from rayspec.exec import LocalExecutor
 from rayspec.models import build_model
@@ -58,7 +60,8 @@ def expected_per_stage(cuts, n):
 
 
 def make_stages(model, n, method):
-    return stages_for(split(copy.deepcopy(model), uniform(len(model), n)), method, lr=0.01, momentum=0.9)
+    return stages_for(split(copy.deepcopy(model), uniform(len(model), n)), method,
+                      StageSpec(lr=0.01, optim=OptimSpec(momentum=0.9)))
 
 
 @pytest.mark.parametrize("n", [2, 4])

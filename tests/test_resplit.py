@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Stop, StopAfter
+from conftest import Stop, StopAfter, spec_of
 
 from rayspec.config import ConfigError, from_mapping
 from rayspec.core.stage import make_stages
@@ -100,8 +100,8 @@ def test_spectrain_resumes_on_another_balance_with_fresh_probes(tmp_path):
 def tiny_stages(tiny, balance, steps=2, **settings):
     """Stages of ``balance`` after ``steps`` updates (optimizer state set), drained."""
     model, data = tiny
-    stages = make_stages(split(copy.deepcopy(model), balance), "spectrain", lr=0.05, seed=3,
-                         **({"momentum": 0.9} | settings))
+    stages = make_stages(split(copy.deepcopy(model), balance), "spectrain",
+                         spec_of(lr=0.05, seed=3, **({"momentum": 0.9} | settings)))
     x, y = data.train.tensors
     for step in range(steps):
         acts = [x[step * 8:(step + 1) * 8]]
@@ -137,8 +137,8 @@ def test_every_per_parameter_entry_is_cut_by_name(tiny, optimizer):
         assert json.loads(st["stats"])["actions"] == {"F": 0, "B": 0}
         assert torch.equal(st["rng"][0], torch.Generator().manual_seed(stream_seed(3, k, 2)).get_state())
     # loaded into stages of the new partition: the same whole model and optimizer state as before, by name
-    fresh = make_stages(split(copy.deepcopy(model), new), "spectrain", lr=0.05, seed=3, momentum=0.9,
-                        optimizer=optimizer)
+    fresh = make_stages(split(copy.deepcopy(model), new), "spectrain",
+                        spec_of(lr=0.05, seed=3, momentum=0.9, optimizer=optimizer))
     for stage, st in zip(fresh, cut):
         stage.load_checkpoint_state(st)
     merged = {k: v for stage in fresh for k, v in stage.state_dict().items()}

@@ -272,8 +272,9 @@ def test_swap_copies_a_tensor_that_shares_its_storage():
 
 def test_a_non_finite_gradient_is_named_and_a_huge_finite_one_passes():
     from rayspec.core.stage import Stage
+    from rayspec.core.stage_spec import StageSpec
 
-    stage = Stage(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), 0, 1, lr=0.0)
+    stage = Stage(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), StageSpec(lr=0.0), 0, 1)
     for p in stage.params:
         p.grad = torch.full_like(p, 3e38)  # finite, but the sum overflows
     stage.step()
@@ -394,3 +395,13 @@ def test_tuple_activations_carry_gradients():
     ref = plain_sgd(model, D, updates=8, batch=8)
     got = run_local(model, D, "vanilla", 4, updates=8, batch=8)[0].state_dict()
     assert_same_weights(got, ref)
+
+
+def test_a_stage_spec_refuses_an_unknown_setting_where_it_is_made():
+    from rayspec.core.stage_spec import StageSpec
+
+    for setting in ({"policy": "lookahead"}, {"backward": "twice"}, {"predictor": "quadratic"},
+                    {"precision": "fp16"}, {"clip_scope": "layer"}):
+        (name, value), = setting.items()
+        with pytest.raises(ValueError, match=f"{name}='{value}' is unknown; choose one of"):
+            StageSpec(**setting)

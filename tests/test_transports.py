@@ -147,3 +147,36 @@ def test_a_transport_start_refuses_actors_without_the_nccl_it_needs(monkeypatch)
     monkeypatch.setattr(ray, "get", lambda refs: [r[2] for r in refs])
     with pytest.raises(ConfigError, match="stage 1: cupy is missing"):
         link.start([Actor(None), Actor("cupy is missing")])
+
+
+def test_every_transport_is_built_by_the_implementation_its_line_names():
+    """A registry line owns its factory ([Note: transports as plug-ins]): each resolved name builds a transport of
+    that name, with the NCCL the line says it uses on a GPU per stage; ``auto`` stands for another and builds none."""
+    from rayspec.exec.ray.transport import Transport, TransportOptions, make_transport
+
+    for name, spec in TRANSPORTS.items():
+        if spec.factory is None:
+            with pytest.raises(ValueError, match="resolve it first"):
+                make_transport(name)
+            continue
+        gpus = 0.0 if spec.cpu else 1.0
+        link = make_transport(name, TransportOptions(chunk=3, max_in_flight=5, gpus_per_stage=gpus))
+        assert isinstance(link, Transport) and link.name == name
+        assert link.nccl == nccl_kind(name, gpus)
+    assert make_transport("p2p", TransportOptions(chunk=3)).chunk == 3
+    assert make_transport("gloo", TransportOptions(max_in_flight=5)).max_in_flight == 5
+
+
+def test_global_clipping_is_asked_of_the_transport():
+    """The executor tells the transport whether updates wait for every stage's norm; one that cannot gather them
+    refuses with the fix, and turning clipping off again is always accepted."""
+    from rayspec.exec.ray.transport import make_transport
+
+    link = make_transport("object_store")
+    link.clip_globally(True, "gpipe")
+    assert link.global_norm
+    compiled = make_transport("compiled")
+    with pytest.raises(ConfigError, match="pipeline.transport=compiled cannot gather"):
+        compiled.clip_globally(True, "gpipe")
+    compiled.clip_globally(False, "gpipe")
+    assert not compiled.global_norm

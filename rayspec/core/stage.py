@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,22 +32,19 @@ from torch import nn
 from rayspec.core.activations import Activation, activation_bytes, as_input, detach, flat, input_grad
 from rayspec.core.finite import FiniteChecks
 from rayspec.core.grads import clip_grads, tensor_norms
-from rayspec.core.lr import LRSchedule
-from rayspec.core.methods import BACKWARDS, METHODS, POLICIES
-from rayspec.core.optim import Optimizer, OptimSpec, sgd_state
-from rayspec.core.precision import PRECISIONS, autocast, boundary
-from rayspec.core.predict import PREDICTORS, PredictionProbe
+from rayspec.core.methods import METHODS
+from rayspec.core.optim import Optimizer, sgd_state
+from rayspec.core.precision import autocast, boundary
+from rayspec.core.predict import PredictionProbe
 from rayspec.core.rng import rng_state, set_rng_state
 from rayspec.core.split import SplitBackward
+from rayspec.core.stage_spec import StageSpec
 from rayspec.core.staleness import ActionWeights
 from rayspec.core.timing import StageClock
 
-__all__ = ["Stage", "StageStats", "make_stages", "CLIP_SCOPES"]
+__all__ = ["Stage", "StageStats", "make_stages"]
 
 log = logging.getLogger(__name__)
-
-CLIP_SCOPES = ("stage", "global")
-"""Whose gradient norm clips a stage's update: its own, or the whole model's (every stage's; flushed methods)."""
 
 
 @dataclass
@@ -78,92 +75,43 @@ class Stage(SplitBackward):
 
     Args:
         module: the stage's slice of the model.
+        spec: how it trains: optimizer, learning rate, staleness policy, clipping, precision, ... (``StageSpec``).
         index: ``k``, 0-based; stage 0 takes the input.
         num_stages: ``N``.
-        policy: ``none``, ``stash`` or ``predict`` (``rayspec.core.staleness``).
-        lr: learning rate per update count.
-        optimizer: ``sgd``, ``adam`` or ``adamw`` (``rayspec.core.optim.OPTIMIZERS``).
-        momentum, weight_decay, dampening, nesterov, betas, eps, fused: the optimizer's settings (``OptimSpec``).
-        clip_grad_norm: clip each update's gradient to this 2-norm (None: no clipping).
-        clip_scope: ``stage`` (this stage's own norm) or ``global`` (every stage's; see the module's note).
-        precision: ``fp32`` or ``bf16`` (``rayspec.core.precision``).
-        group: micro-batches accumulated per update; the last stage scales its loss by ``1/group``.
-        backward: ``mixed`` or ``recompute``.
-        loss_fn: loss of the last stage, ``loss_fn(output, labels)``; default cross-entropy.
-        device: where the stage computes.
-        record: keep, per action, the weights it used and what was stored before and after
-            (tests and debugging only: one weight copy per action).
-        seed: seeds the stage's own random stream (dropout; ``rayspec.core.rng``).
-        trace: keep the start and end (wall-clock seconds) of every action in ``timeline``.
-        predictor: ``linear`` (the paper's), ``momentum`` or ``adaptive`` (``predict`` policy; ``rayspec.core.predict``).
-        probe: weight coordinates the prediction probe samples (``predict`` policy); 0 turns it off.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        index: int,
-        num_stages: int,
-        *,
-        policy: str = "none",
-        lr: LRSchedule | float = 0.1,
-        optimizer: str = "sgd",
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        betas: Sequence[float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        fused: bool = True,
-        clip_grad_norm: float | None = None,
-        clip_scope: str = "stage",
-        precision: str = "fp32",
-        group: int = 1,
-        backward: str = "mixed",
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-        device: str | torch.device = "cpu",
-        record: bool = False,
-        seed: int = 0,
-        trace: bool = False,
-        predictor: str = "linear",
-        probe: int = 4096,
-    ) -> None:
-        for name, value, known in (("policy", policy, POLICIES), ("backward", backward, BACKWARDS),
-                                   ("predictor", predictor, PREDICTORS), ("precision", precision, PRECISIONS),
-                                   ("clip_scope", clip_scope, CLIP_SCOPES)):
-            if value not in known:
-                raise ValueError(f"{name}={value!r} is unknown; choose one of {', '.join(known)}")
+    def __init__(self, module: nn.Module, spec: StageSpec, index: int, num_stages: int) -> None:
         self.index, self.num_stages = index, num_stages
         self.is_first, self.is_last = index == 0, index == num_stages - 1
-        self.policy, self.backward_mode, self.group, self.precision = policy, backward, group, precision
-        self.clip_grad_norm = clip_grad_norm
+        self.policy, self.backward_mode, self.group = spec.policy, spec.backward, spec.group
+        self.precision = spec.precision
+        self.clip_grad_norm = spec.clip_grad_norm
         # One stage is the whole model: its own norm is the global one.
-        self.clip_scope = clip_scope if num_stages > 1 else "stage"
-        self.device = torch.device(device)
+        self.clip_scope = spec.clip_scope if num_stages > 1 else "stage"
+        self.device = torch.device(spec.device)
         self.module = module.to(self.device)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.lr = lr if isinstance(lr, LRSchedule) else LRSchedule(float(lr))
-        spec = OptimSpec(optimizer, momentum, weight_decay, dampening, nesterov, (float(betas[0]), float(betas[1])),
-                         eps, fused)
-        self.optimizer = Optimizer(self.params, spec, keep_last=policy.startswith("predict"))
-        self.loss_fn = loss_fn or nn.functional.cross_entropy
+        self.lr = spec.schedule
+        self.optimizer = Optimizer(self.params, spec.optim, keep_last=spec.policy.startswith("predict"))
+        self.loss_fn = spec.loss_fn or nn.functional.cross_entropy
         self.version = 0
         self.pending = 0  # backwards accumulated since the last update
         self.waiting = False  # an update waits for every stage's gradient norms (global clipping)
         self.inflight: dict[int, _InFlight] = {}
         self.stats = StageStats()
         self._rng_devices = [self.device] if self.device.type == "cuda" else []
-        self._seed = seed * 7919 + index + 1
+        self._seed = spec.seed * 7919 + index + 1
         with torch.random.fork_rng(devices=self._rng_devices):
             torch.manual_seed(self._seed)
             self.rng = rng_state(self.device)
-        self.trace = trace
-        self.clock = StageClock(trace)  # host time on CPU, CUDA events on a GPU (settled when read)
+        self.trace = spec.trace
+        self.clock = StageClock(spec.trace)  # host time on CPU, CUDA events on a GPU (settled when read)
         self.checks = FiniteChecks(index)  # on a GPU: flags on the device, raised at checks.flush()
-        self.predictor = predictor
-        self.probe = PredictionProbe(self.params, probe, self._seed) if policy.startswith("predict") and probe > 0 else None
-        self.weights = ActionWeights(self.params, policy, self.optimizer, self.lr, predictor, self.probe, record,
-                                     self._track_memory)
+        self.predictor = spec.predictor
+        predicts = spec.policy.startswith("predict") and spec.probe > 0
+        self.probe = PredictionProbe(self.params, spec.probe, self._seed) if predicts else None
+        self.weights = ActionWeights(self.params, spec.policy, self.optimizer, self.lr, spec.predictor, self.probe,
+                                     spec.record, self._track_memory)
         self.timeline: list[tuple[str, int, float, float]] = []  # (kind, micro-batch, start, end) in epoch s
 
     @property
@@ -386,10 +334,9 @@ class Stage(SplitBackward):
         return not self.inflight and self.pending == 0 and not self.waiting
 
 
-def make_stages(parts: Sequence[nn.Module], method: str, **settings: Any) -> list[Stage]:
-    """One ``Stage`` per part, stage 0 first, with ``method``'s staleness policy and clipping scope
-    (``rayspec.core.methods``); ``settings`` are ``Stage``'s keyword arguments (learning rate, optimizer, group,
-    device, ...)."""
+def make_stages(parts: Sequence[nn.Module], method: str, spec: StageSpec | None = None) -> list[Stage]:
+    """One ``Stage`` per part, stage 0 first, all built from ``spec`` (default: ``StageSpec()``) with ``method``'s
+    staleness policy and clipping scope (``rayspec.core.methods``)."""
     m = METHODS[method]
-    scope = "global" if m.flushes else "stage"
-    return [Stage(part, k, len(parts), policy=m.policy, clip_scope=scope, **settings) for k, part in enumerate(parts)]
+    spec = dataclasses.replace(spec or StageSpec(), policy=m.policy, clip_scope="global" if m.flushes else "stage")
+    return [Stage(part, spec, k, len(parts)) for k, part in enumerate(parts)]

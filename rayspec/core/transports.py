@@ -10,6 +10,12 @@ a choice before Ray starts (docs/design.md §4). A placement is the GPUs each st
     0 < g < 1        p2p         the same gloo path; GPU tensors through pinned host memory (NCCL refuses
                                  two ranks on one device)
     >= 1             p2p_nccl    one actor call per chunk, NCCL between the GPUs (torch's own NCCL, no cupy)
+
+[Note: transports as plug-ins] A transport is its registry line here and one module in ``rayspec.exec.ray`` that
+holds its driver side (a ``rayspec.exec.ray.transport.Transport``) and its actor side (an endpoint, which the stage
+actor hosts without knowing its kind). The line names its implementation by a dotted path, ``factory``, which
+``rayspec.exec.ray.transport.make_transport`` imports: this layer imports no Ray and nothing above it, and no
+table elsewhere lists the transports, so adding one touches that one module and its line here.
 """
 
 from __future__ import annotations
@@ -19,15 +25,15 @@ from typing import Literal
 
 from rayspec.errors import ConfigError
 
-__all__ = ["Transport", "TRANSPORTS", "resolve_transport", "check_placement", "nccl_kind", "placement_of",
+__all__ = ["TransportSpec", "TRANSPORTS", "resolve_transport", "check_placement", "nccl_kind", "placement_of",
            "check_global_norm"]
 
 Placement = Literal["cpu", "shared_gpu", "gpu"]
 
 
 @dataclass(frozen=True)
-class Transport:
-    """One transport: its name, the placements it can run, the NCCL it uses on GPUs, and what it does.
+class TransportSpec:
+    """One transport: its name, the placements it can run, the NCCL it uses on GPUs, what it does and where it is.
 
     Attributes:
         cpu: CPU stages.
@@ -37,6 +43,9 @@ class Transport:
             ``ray`` (Ray's collective groups, which need cupy: ``pip install 'rayspec[gpu]'``) or ``None``.
         global_norm: whether an update can wait for every stage's gradient norm (global clipping;
             ``rayspec.core.grads``).
+        factory: ``module:Class`` of its implementation, a ``rayspec.exec.ray.transport.Transport`` whose
+            ``create(spec, options)`` builds it ([Note: transports as plug-ins]); ``None`` for ``auto``, which
+            stands for another.
     """
 
     name: str
@@ -46,21 +55,27 @@ class Transport:
     nccl: Literal["torch", "ray"] | None
     summary: str
     global_norm: bool = True
+    factory: str | None = None
 
 
+_P2P, _CALLS = "rayspec.exec.ray.p2p:P2PTransport", "rayspec.exec.ray.object_store:ObjectStoreTransport"
 _ALL = (
-    Transport("auto", True, True, True, None, "p2p on CPU stages and on stages that share a GPU, p2p_nccl on a GPU each"),
-    Transport("p2p", True, True, True, None,
-              "an actor call per chunk; stages send to their neighbours over a gloo group (GPU tensors through host memory)"),
-    Transport("p2p_nccl", False, False, True, "torch",
-              "an actor call per chunk; stages send to their neighbours over NCCL (torch.distributed)"),
-    Transport("object_store", True, True, True, None, "an actor call per action; tensors through Ray's object store"),
-    Transport("gloo", True, False, False, None, "an actor call per action; CPU tensors by Ray Direct Transport over gloo"),
-    Transport("nccl", False, False, True, "ray", "an actor call per action; GPU tensors by Ray Direct Transport over NCCL"),
-    Transport("compiled", True, True, True, "ray", "a Ray Compiled Graph per chunk shape (NCCL on a GPU per stage)",
-              global_norm=False),
+    TransportSpec("auto", True, True, True, None,
+                  "p2p on CPU stages and on stages that share a GPU, p2p_nccl on a GPU each"),
+    TransportSpec("p2p", True, True, True, None, "an actor call per chunk; stages send to their neighbours over a "
+                  "gloo group (GPU tensors through host memory)", factory=_P2P),
+    TransportSpec("p2p_nccl", False, False, True, "torch",
+                  "an actor call per chunk; stages send to their neighbours over NCCL (torch.distributed)", factory=_P2P),
+    TransportSpec("object_store", True, True, True, None, "an actor call per action; tensors through Ray's object store",
+                  factory=_CALLS),
+    TransportSpec("gloo", True, False, False, None,
+                  "an actor call per action; CPU tensors by Ray Direct Transport over gloo", factory=_CALLS),
+    TransportSpec("nccl", False, False, True, "ray",
+                  "an actor call per action; GPU tensors by Ray Direct Transport over NCCL", factory=_CALLS),
+    TransportSpec("compiled", True, True, True, "ray", "a Ray Compiled Graph per chunk shape (NCCL on a GPU per stage)",
+                  global_norm=False, factory="rayspec.exec.ray.compiled:CompiledTransport"),
 )
-TRANSPORTS: dict[str, Transport] = {t.name: t for t in _ALL}
+TRANSPORTS: dict[str, TransportSpec] = {t.name: t for t in _ALL}
 
 _AUTO: dict[Placement, str] = {"cpu": "p2p", "shared_gpu": "p2p", "gpu": "p2p_nccl"}
 _WHERE = {"cpu": "on CPU stages", "shared_gpu": "on stages that share a GPU", "gpu": "on a GPU per stage"}

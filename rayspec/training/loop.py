@@ -4,6 +4,7 @@ actor died, and the run directory's files (docs/design.md §5)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -24,7 +25,7 @@ from rayspec.partition import split
 from rayspec.training.checkpoint import payload
 from rayspec.training.context import RunContext
 from rayspec.training.failures import StageDied, reraise
-from rayspec.training.prepare import Prepared, stage_settings
+from rayspec.training.prepare import Prepared, stage_spec
 from rayspec.training.progress import Progress, keep_metrics
 from rayspec.training.report import evaluate, report_stages, write_summary
 from rayspec.training.resplit import resumed_states
@@ -45,8 +46,7 @@ def build_stages(prepared: Prepared, device: str = "cpu", record: bool = False) 
     """Cut the model along the balance into stages with the method's policy and the optimizer settings."""
     c = prepared.config
     parts = split(copy.deepcopy(prepared.model), prepared.balance)
-    return make_stages(parts, c.pipeline.method, group=c.pipeline.group, device=device, record=record,
-                       **stage_settings(c))
+    return make_stages(parts, c.pipeline.method, dataclasses.replace(stage_spec(c), device=device, record=record))
 
 
 def split_batches(batches: Iterator[tuple[torch.Tensor, ...]], group: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

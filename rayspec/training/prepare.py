@@ -15,6 +15,8 @@ from torch.utils.data import Subset, TensorDataset
 from rayspec.config import Config
 from rayspec.core.lr import LRSchedule
 from rayspec.core.methods import METHODS
+from rayspec.core.optim import OptimSpec
+from rayspec.core.stage_spec import StageSpec
 from rayspec.data import DataBundle, DataInfo, build_data
 from rayspec.data.custom import build_target_data
 from rayspec.data.loader import eval_batches
@@ -33,7 +35,7 @@ from rayspec.targets import TARGET
 from rayspec.training.checkpoint import CheckpointStore, check_compatible, checkpoint_folder, resolve_resume
 from rayspec.training.storage import Location
 
-__all__ = ["Prepared", "prepare", "profile_sample", "replan", "lr_schedule", "stage_settings"]
+__all__ = ["Prepared", "prepare", "profile_sample", "replan", "lr_schedule", "stage_spec"]
 
 
 @dataclass
@@ -181,11 +183,13 @@ def lr_schedule(config: Config) -> LRSchedule:
     return LRSchedule(o.lr, o.schedule, config.train.max_steps, o.warmup, o.power, o.min_lr)
 
 
-def stage_settings(config: Config) -> dict[str, Any]:
-    """``Stage``'s keyword arguments that come from the config: learning rate, optimizer, clipping, precision,
-    the staleness settings and the random seed (every executor and ``dataparallel`` build stages from them)."""
+def stage_spec(config: Config) -> StageSpec:
+    """How every stage of the run trains, from the config: learning rate, optimizer, clipping, precision, the
+    accumulation group, the staleness settings and the random seed (every executor and ``dataparallel`` build
+    stages from it; ``make_stages`` adds the method's policy)."""
     o, p = config.optim, config.pipeline
-    return {"lr": lr_schedule(config), "optimizer": o.name, "momentum": o.momentum, "weight_decay": o.weight_decay,
-            "dampening": o.dampening, "nesterov": o.nesterov, "betas": tuple(o.betas), "eps": o.eps, "fused": o.fused,
-            "clip_grad_norm": o.clip_grad_norm, "precision": config.train.precision, "backward": p.backward,
-            "seed": config.seed, "trace": config.trace, "predictor": p.predictor, "probe": p.probe}
+    optim = OptimSpec(o.name, o.momentum, o.weight_decay, o.dampening, o.nesterov,
+                      (float(o.betas[0]), float(o.betas[1])), o.eps, o.fused)
+    return StageSpec(lr=lr_schedule(config), optim=optim, clip_grad_norm=o.clip_grad_norm,
+                     precision=config.train.precision, group=p.group, backward=p.backward, seed=config.seed,
+                     trace=config.trace, predictor=p.predictor, probe=p.probe)

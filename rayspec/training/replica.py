@@ -14,6 +14,7 @@ DDP) all-reduces nothing: 0.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from typing import Any
@@ -25,7 +26,7 @@ from rayspec.config import Config
 from rayspec.core.stage import Stage
 from rayspec.data.loader import train_batches
 from rayspec.exec.base import stage_stats
-from rayspec.training.prepare import stage_settings
+from rayspec.training.prepare import stage_spec
 
 __all__ = ["worker_loop"]
 
@@ -71,8 +72,9 @@ def _replica(loop_config: dict[str, Any], rank: int) -> tuple[nn.Module, Stage, 
     # One stage holding the whole model: the update is the pipeline stages' own Stage.step (its clipping
     # norm is the whole model's: DDP averaged the gradients). Its own random stream per rank (dropout):
     # ranks see different samples.
-    settings = {**stage_settings(c), "backward": "mixed", "trace": False, "seed": c.seed + 1_000_003 * rank}
-    stage = Stage(replica, 0, 1, policy="none", group=1, device=device, **settings)
+    spec = dataclasses.replace(stage_spec(c), policy="none", group=1, backward="mixed", trace=False,
+                               seed=c.seed + 1_000_003 * rank, device=device)
+    stage = Stage(replica, spec, 0, 1)
     start = 0
     if loop_config["resume"] is not None:  # the replicas' weights and momentum from rank 0, each rank's own stream
         resume = ray.get(loop_config["resume"])

@@ -21,9 +21,10 @@ from typing import Any
 import ray
 
 from rayspec.core.schedule import Schedule, ScheduleError
+from rayspec.core.transports import TransportSpec, nccl_kind
 from rayspec.exec.base import MicrobatchFeed
 from rayspec.exec.ray.compiled_plan import plan_chunks
-from rayspec.exec.ray.transport import LossSink, StageOps, Transport
+from rayspec.exec.ray.transport import LossSink, StageOps, Transport, TransportOptions
 from rayspec.exec.ray.wire import own, to_wire
 
 __all__ = ["CompiledEndpoint", "CompiledTransport", "warn_shared_cores"]
@@ -146,13 +147,20 @@ class CompiledTransport(Transport):
         # Ray logs every compile and teardown at INFO (several lines per segment); keep its warnings.
         logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.WARNING)
 
+    @classmethod
+    def create(cls, spec: TransportSpec, options: TransportOptions) -> CompiledTransport:
+        """NCCL between stages that hold a GPU each; a warning where CPU stages share cores."""
+        if options.gpus_per_stage == 0 and options.cpus_per_stage < 1:
+            warn_shared_cores(options.cpus_per_stage)
+        return cls(options.chunk, nccl=nccl_kind(spec.name, options.gpus_per_stage) is not None)
+
     def _compile(self, template: tuple) -> None:
         from ray.dag import InputNode, MultiOutputNode
 
         self.stop()
         n = len(self.actors)
         with InputNode() as inp:
-            begins = [self.actors[k].cg_begin.bind(inp[k]) for k in range(n)]
+            begins = [self.actors[k].endpoint_call.bind("begin", inp[k]) for k in range(n)]
             nodes: list[list[Any]] = [[] for _ in range(n)]
             pos = [0] * n
             while any(pos[k] < len(template[k]) for k in range(n)):
@@ -165,7 +173,7 @@ class CompiledTransport(Transport):
                             break  # its producer is not bound yet
                         value = None if src is None else begins[src[1]] if src[0] == "begin" else nodes[src[1]][src[2]]
                         prev = nodes[k][-1] if nodes[k] else begins[k]
-                        node = self.actors[k].cg_op.bind(pos[k], op.kind, op.carry, prev, value)
+                        node = self.actors[k].endpoint_call.bind("op", pos[k], op.kind, op.carry, prev, value)
                         if self.to_gpu:
                             node = node.with_tensor_transport(transport="nccl")
                         nodes[k].append(node)
@@ -173,9 +181,9 @@ class CompiledTransport(Transport):
                         progressed = True
                 if not progressed:
                     raise ScheduleError("the chunk template deadlocks")  # plan_chunks rules this out
-            outs = [self.actors[k].cg_end.bind(nodes[k][-1]) for k in range(n)]
+            outs = [self.actors[k].endpoint_call.bind("end", nodes[k][-1]) for k in range(n)]
             dag = MultiOutputNode(outs)
-        ray.get([a.cg_reset.remote(not self.to_gpu) for a in self.actors])
+        self.open_endpoints(CompiledEndpoint, not self.to_gpu)  # before a new graph: no chunk done, no error, no carry
         self._dag = dag.experimental_compile(_max_inflight_executions=2)
         self._template = template
         self._executed = 0
@@ -219,7 +227,7 @@ class CompiledTransport(Transport):
 
         waiting = list(range(len(self.actors)))
         while waiting:  # each call returns within 1 s, so a dead actor's error is seen within 1 s
-            seen = ray.get([self.actors[k].cg_wait.remote(index, 1.0, begun) for k in waiting])
+            seen = ray.get([self.actors[k].endpoint_call.remote("wait", index, 1.0, begun) for k in waiting])
             waiting = [k for k, d in zip(waiting, seen) if d < index]
 
     def _finish(self, index: int, refs: list, on_losses: LossSink) -> None:

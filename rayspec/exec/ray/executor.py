@@ -20,28 +20,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayspec.core.activations import Activation
 from rayspec.core.schedule import Schedule, ScheduleError
 from rayspec.core.stage import Stage
-from rayspec.core.transports import check_global_norm, nccl_kind, resolve_transport
+from rayspec.core.transports import resolve_transport
 from rayspec.exec.base import Executor, MicrobatchFeed, check_stages, clips_globally
 from rayspec.exec.ray.actor import StageActor
 from rayspec.exec.ray.cluster import reserve_stages
-from rayspec.exec.ray.compiled import CompiledTransport, warn_shared_cores
-from rayspec.exec.ray.object_store import ObjectStoreTransport
-from rayspec.exec.ray.p2p import P2PTransport
-from rayspec.exec.ray.transport import Transport
+from rayspec.exec.ray.transport import TransportOptions, make_transport
 
-__all__ = ["RayExecutor", "make_transport"]
-
-
-def make_transport(name: str, *, chunk: int = 16, max_in_flight: int | None = None, gpus_per_stage: float = 0.0,
-                   cpus_per_stage: float = 1.0) -> Transport:
-    """The transport ``name`` (as ``resolve_transport`` returns it) for stages with these resources."""
-    if name in ("p2p", "p2p_nccl"):
-        return P2PTransport(chunk, backend="nccl" if name == "p2p_nccl" else "gloo")
-    if name == "compiled":
-        if gpus_per_stage == 0 and cpus_per_stage < 1:
-            warn_shared_cores(cpus_per_stage)
-        return CompiledTransport(chunk, nccl=nccl_kind(name, gpus_per_stage) is not None)
-    return ObjectStoreTransport(None if name == "object_store" else name, max_in_flight)
+__all__ = ["RayExecutor"]
 
 
 class RayExecutor(Executor):
@@ -81,9 +66,8 @@ class RayExecutor(Executor):
             raise RuntimeError("call ray.init() before creating a RayExecutor")
         self.method, self.variant = method, variant
         self.num_stages = len(stages)
-        self.link = make_transport(resolve_transport(transport, gpus_per_stage), chunk=chunk,
-                                   max_in_flight=max_in_flight, gpus_per_stage=gpus_per_stage,
-                                   cpus_per_stage=cpus_per_stage)
+        self.link = make_transport(resolve_transport(transport, gpus_per_stage),
+                                   TransportOptions(chunk, max_in_flight, gpus_per_stage, cpus_per_stage))
         self._owns_pg = placement_group is None
         if placement_group is None:
             placement_group = reserve_stages(self.num_stages, cpus_per_stage, gpus_per_stage, placement_strategy)
@@ -105,10 +89,9 @@ class RayExecutor(Executor):
         return self.link.replaces != "none"
 
     def _clipping(self, stages: Sequence[Stage]) -> None:
-        """Whether the transport must gather every stage's gradient norm before an update (raises where it cannot)."""
-        self.link.global_norm = clips_globally(stages)
-        if self.link.global_norm:
-            check_global_norm(self.link.name, self.method)
+        """Tell the transport whether it must gather every stage's gradient norm before an update (raises where it
+        cannot)."""
+        self.link.clip_globally(clips_globally(stages), self.method)
 
     def _spawn(self, k: int, stage: Stage) -> Any:
         """A stage actor for stage ``k`` in its bundle."""

@@ -7,7 +7,7 @@ Activations and gradients go from actor to actor through the object store (zero-
 ``gloo``/``nccl``, by Ray Direct Transport over a collective group of the stage actors; never through
 the driver. The driver waits only to bound the micro-batches in flight.
 
-With global clipping (``Transport.global_norm``), once the driver has submitted every stage's update-carrying
+With global clipping (``Transport.clip_globally``), once the driver has submitted every stage's update-carrying
 backward of an update it submits, to every stage, ``grad_norms`` and then ``finish_update`` with all their
 results as arguments: Ray hands a call its arguments once they exist, so each stage applies its update as soon
 as the last stage's norms are known, and its next action (submitted later) runs after that. The driver itself
@@ -23,8 +23,9 @@ from typing import Any
 import ray
 
 from rayspec.core.schedule import Schedule
+from rayspec.core.transports import TransportSpec
 from rayspec.exec.base import MicrobatchFeed, fused_backward, ordered_actions
-from rayspec.exec.ray.transport import ZERO_COPY, LossSink, Transport
+from rayspec.exec.ray.transport import ZERO_COPY, LossSink, Transport, TransportOptions
 from rayspec.exec.ray.wire import to_wire
 
 __all__ = ["ObjectStoreTransport"]
@@ -48,6 +49,11 @@ class ObjectStoreTransport(Transport):
         else:
             self.replaces = "none"  # a collective group cannot be rebuilt around a dead member
             self.nccl = "ray" if rdt == "nccl" else None  # Ray's NCCL group imports cupy
+
+    @classmethod
+    def create(cls, spec: TransportSpec, options: TransportOptions) -> ObjectStoreTransport:
+        """``object_store``, or the line's name as the Ray Direct Transport backend (``gloo``, ``nccl``)."""
+        return cls(None if spec.name == "object_store" else spec.name, options.max_in_flight)
 
     def start(self, actors: Sequence[Any]) -> None:
         super().start(actors)

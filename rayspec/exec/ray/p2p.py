@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from rayspec.core.device import to_device
 from rayspec.core.schedule import Schedule
+from rayspec.core.transports import TransportSpec
 from rayspec.exec.base import MicrobatchFeed
 from rayspec.exec.ray.cluster import actor_died
 from rayspec.exec.ray.p2p_plan import P2POp, plan_p2p, source, tag
@@ -51,7 +52,7 @@ from rayspec.exec.ray.p2p_wire import (
     split_sizes,
     views,
 )
-from rayspec.exec.ray.transport import ZERO_COPY, LossSink, StageOps, Transport
+from rayspec.exec.ray.transport import ZERO_COPY, LossSink, StageOps, Transport, TransportOptions
 from rayspec.exec.ray.wire import to_wire
 
 __all__ = ["P2PEndpoint", "P2PTransport"]
@@ -279,11 +280,17 @@ class P2PTransport(Transport):
         self.nccl = "torch" if backend == "nccl" else None
         self.env = dict(ZERO_COPY)
 
+    @classmethod
+    def create(cls, spec: TransportSpec, options: TransportOptions) -> P2PTransport:
+        """``p2p`` (gloo data groups) or ``p2p_nccl`` (the line that uses NCCL: NCCL data groups)."""
+        return cls(options.chunk, backend="nccl" if spec.nccl else "gloo")
+
     def start(self, actors: Sequence[Any]) -> None:
         super().start(actors)
+        self.open_endpoints(P2PEndpoint)
         n = len(self.actors)
-        address, port = ray.get(self.actors[0].p2p_rendezvous.remote(n, self.timeout_s))
-        ray.get([a.p2p_join.remote(address, port, k, n, self.timeout_s, self.capacity, self.backend)
+        address, port = ray.get(self.actors[0].endpoint_call.remote("rendezvous", n, self.timeout_s))
+        ray.get([a.endpoint_call.remote("join", address, port, k, n, self.timeout_s, self.capacity, self.backend)
                  for k, a in enumerate(self.actors)])
 
     def run(self, schedule: Schedule, s: dict | None, feed: MicrobatchFeed, on_losses: LossSink) -> None:
@@ -304,7 +311,8 @@ class P2PTransport(Transport):
                     if op.kind in ("F", "FB"):
                         data[last][("y", op.m)] = to_wire(feed.labels(op.m))
                 final = c == len(chunks) - 1
-                pending.append([a.p2p_run.remote(per_stage[k], data[k], final) for k, a in enumerate(self.actors)])
+                pending.append([a.endpoint_call.remote("run", per_stage[k], data[k], final)
+                                for k, a in enumerate(self.actors)])
                 if len(pending) > 2:  # two chunks queued ahead: every producer's call is submitted (Note: chunk cuts)
                     on_losses(_finish(pending.popleft()))
             while pending:
