@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.peer_setup import flushed_1f1b
+from benchmarks._shared.peer_setup import flushed_1f1b
 from rayspec.core.schedule import Action, Schedule, ScheduleError, build_schedule
 from rayspec.exec.ray.compiled_plan import plan_chunks
 

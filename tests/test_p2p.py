@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.peer_setup import flushed_1f1b
+from benchmarks._shared.peer_setup import flushed_1f1b
 from rayspec.core.schedule import Action, Schedule, ScheduleError, build_schedule
 from rayspec.exec.ray.p2p_plan import plan_p2p, tag
 from rayspec.exec.ray.p2p_wire import (
