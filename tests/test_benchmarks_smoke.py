@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
 
-from benchmarks import __main__ as runner  # noqa: E402
+from benchmarks.__main__ import main as benchmarks_main  # noqa: E402
 from benchmarks._shared import one_hop, peer_setup, results, torch_peer  # noqa: E402
 from benchmarks.efficiency import bench as efficiency  # noqa: E402
 from benchmarks.memory import bench as memory  # noqa: E402
@@ -37,31 +37,31 @@ def scratch(tmp_path, monkeypatch):
 
 
 def test_runner_lists_every_benchmark_with_its_line(capsys):
-    assert runner.main(["list"]) == 0
+    assert benchmarks_main(["list"]) == 0
     lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
     assert set(lines) == {"overhead", "stage_cost", "efficiency", "partition", "communication", "communication.plot",
                           "memory", "memory.plot", "p2p_memory", "throughput", "peer", "hops", "recovery", "driver",
                           "probe", "gpu_check", "studies", "studies.lr", "studies.table"}
     assert all(line.strip() for line in lines.values())
-    assert runner.main([]) == 2 and "usage" in capsys.readouterr().err
+    assert benchmarks_main([]) == 2 and "usage" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="unknown"):
-        runner.main(["run", "no_such_benchmark"])
+        benchmarks_main(["run", "no_such_benchmark"])
 
 
 def test_memory_quick_through_the_runner(scratch, capsys):
     """``run memory --quick`` then ``run memory.plot --quick``: the tiny models' results and plot, in the scratch folder."""
-    assert runner.main(["run", "memory", "--quick", "--models", "mlp,vgg16", "--stages", "2,4"]) == 0
+    assert benchmarks_main(["run", "memory", "--quick", "--models", "mlp,vgg16", "--stages", "2,4"]) == 0
     import json
 
     data = json.loads((scratch / "memory.json").read_text())
     assert {r["model"] for r in data["results"]} == {"mlp", "vgg16"} and data["mismatches"] == []
-    assert runner.main(["run", "memory.plot", "--quick"]) == 0
+    assert benchmarks_main(["run", "memory.plot", "--quick"]) == 0
     assert (scratch / "memory.png").stat().st_size > 0
     assert f"wrote {scratch / 'memory.json'}" in capsys.readouterr().out
 
 
 def test_studies_table_quick_through_the_runner(scratch, capsys):
-    assert runner.main(["run", "studies.table", "--quick", "--stages", "4"]) == 0
+    assert benchmarks_main(["run", "studies.table", "--quick", "--stages", "4"]) == 0
     assert "N=4: final validation accuracy" in capsys.readouterr().out
 
 

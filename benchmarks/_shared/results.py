@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,12 +28,23 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} CPU cores, {gpu}, torch {torch.__version__}"
 
 
+def commit() -> str | None:
+    """The checkout's commit (``git describe``: short hash, ``-dirty`` with local changes); None outside git."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=RESULTS.parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def write(name: str, payload: dict, *, quick: bool = False) -> Path:
-    """Write ``NAME.json`` with the machine and the date in front of ``payload``; ``quick``: to ``QUICK_RESULTS``."""
+    """Write ``NAME.json`` with the machine, date and commit in front of ``payload``; ``quick``: to ``QUICK_RESULTS``."""
     folder = results_dir(quick)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.json"
-    payload = {"benchmark": name, "machine": machine(), "date": time.strftime("%Y-%m-%d"), **payload}
+    payload = {"benchmark": name, "machine": machine(), "date": time.strftime("%Y-%m-%d"), "commit": commit(),
+               **payload}
     path.write_text(json.dumps(payload, indent=2))
     return path
 

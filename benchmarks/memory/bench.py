@@ -8,12 +8,10 @@ balanced), and each method's own 1F1B schedule runs through ``LocalExecutor`` fo
 segments of ``2N`` micro-batches (enough for every stage to reach steady state: stage ``k``
 needs ``2(N-k) - 1``). Micro-batches are tiny (2 samples) and the learning rate small (the
 losses only have to stay finite): the state measured here is parameter-sized and depends on
-neither. The full run (5 full-size models x N = 2, 4, 8) takes about 20 minutes on 2 cores,
-mostly ResNet-152's compute; ``--quick`` (tiny models) about 15 seconds. Per stage, ``Stage.stats.peak_weight_bytes``
-is read after the first segment and after the last; it is the largest sum of
-``Stage.weight_bytes()`` (weights, optimizer state, scratch copy, stash) seen so far.
+neither. ``--quick`` builds tiny models. Per stage, ``Stage.stats.peak_weight_bytes`` is read after the
+first segment and after the last; it is the largest sum of ``Stage.weight_bytes()`` (weights, optimizer state, scratch copy, stash) seen so far.
 
-Expected, in copies of the stage's weights ``W_k`` (read off ``rayspec/stage.py``):
+Expected, in copies of the stage's weights ``W_k`` (read off ``rayspec/core/stage.py``):
 
 * ``spectrain``: weights + momentum + one scratch copy = 3, or 2 on a stage whose actions
   all have ``s = 0`` (the scratch is allocated on the first prediction; with ``N = 2`` the last

@@ -3,7 +3,7 @@ received (``P2POp.retire``) against held until the segment ends.
 
     python -m benchmarks.p2p_memory [--batches 4,64] [--runners gpipe,spectrain] [--quick]
 
-Gloo reports a send finished only once it is waited on ([Note: finished sends] in ``rayspec/p2p.py``).
+Gloo reports a send finished only once it is waited on ([Note: finished sends] in ``rayspec/exec/ray/p2p_plan.py``).
 A stage that waited only at the end of a segment kept every message it sent in the segment, with
 its buffer: memory that grows with the segment (``train.eval_every`` or ``checkpoint.every``
 updates). Per runner and segment length, this starts 2 fresh stage actors (the peer benchmark's

@@ -41,27 +41,7 @@ activation between two processes: torch ``dist.send``/``recv`` over gloo (ping-p
 transport's hop between two Ray actors (``p2p``: rayspec's message over their gloo group; the others:
 a chain of dependent actor calls, or of compiled-graph ops).
 
-Findings on the 2-core CPU box (x86_64, no GPU, torch 2.14.1, ray 2.60), full MLP split [3, 6],
-batch 256, M = 8, 20 steps x 3 pairs, three full runs (``benchmarks/results/peer.json`` holds the
-third, the first with ``p2p`` reusing its message buffers), ratios ``p2p`` / ``compiled`` / ``object_store``:
-
-* Like-for-like, ``gpipe`` 1.05-1.13 / 0.95-1.04 / 0.72-0.73 and ``1f1b-flushed`` 1.01-1.14 /
-  0.87-1.01 / 0.70-0.76, with the same per-batch losses (max difference 3.3e-7). ``spectrain-grouped``
-  (one update per batch, no flush) 1.06-1.13 / 1.00-1.17 / 0.74-0.76; ``spectrain`` (an update and
-  predictions per micro-batch) 0.71-0.99 / 0.85-0.99 / 0.63-0.67.
-* CPU per batch (stage actors + driver + the rest of Ray against torch's two ranks), ``gpipe``, second
-  run: ``p2p`` 360 + 4 + 8 ms against 385; the object store 437 + 42 + 56 against 375. ``p2p`` and torch pay the
-  same on the data path; the object store pays Ray's task per action (submission, object-store
-  round, result store) on every hop, about 3.3 ms a hop here against 0.55 for ``p2p`` and 0.17 for a
-  torch gloo ``send``/``recv`` in the same run.
-* Torch reaches only 0.64-0.86 of the ideal makespan computed from each stage's compute alone: two
-  compute-bound processes on 2 cores slow each other's kernels down (the ms inside each F and B
-  table), so beating a flushed torch schedule by much on the same kernels is not on offer here;
-  not flushing (``spectrain-grouped``) removes the bubble instead.
-* Ray starts its workers at ``nice 15``. That is not the gap: with ``--worker-niceness 0`` two runs on
-  the object store gave ``gpipe`` 0.76 / 0.67 and ``1f1b-flushed`` 0.66 / 0.61, against 0.68 / 0.70 and
-  0.71 / 0.73 at Ray's default (``benchmarks/results/peer_nice{15,0}[_b].json``). ``benchmarks.hops``
-  shows where it does matter: a hop next to two nice-0 processes that keep both cores busy.
+The findings, with the commands that made them: ``benchmarks/peer/README.md``.
 """
 
 from __future__ import annotations

@@ -17,11 +17,7 @@ It also times, on the stage's gradients, the non-finite check that every update 
 pass) against the infinity norm it replaced. Figures are ms per micro-batch, medians of ``--repeats``
 runs; ratios are of figures from the same run.
 
-Measured on the 2-core CPU box (``benchmarks/results/stage_cost.json``, full MLP split [3, 6], 5.3M
-parameters per stage, micro-batch 32): ``gpipe`` 14.4 / 16.7 ms per micro-batch (stage 0 / 1),
-``async`` 15.5 / 19.3, ``spectrain`` 21.1 / 25.3, ``spectrain (copy swap)`` 42.2 / 46.4. The check
-takes 0.36 ms per update summing, 13.6 ms as an infinity norm (``torch._foreach_norm(.., inf)``
-runs unvectorized on CPU); before both changes ``spectrain`` cost 39-43 ms per micro-batch here.
+The latest figures, with the command that made them: ``benchmarks/stage_cost/README.md``.
 """
 
 from __future__ import annotations

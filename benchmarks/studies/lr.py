@@ -1,8 +1,8 @@
 """The learning rate of each shipped accuracy study: its sequential baseline over a grid of learning rates.
 
-    python -m benchmarks.study_lr [--studies lstm_text,transformer_text,vgg16_image,snn_image]
-                                  [--lrs 0.003,0.01,0.03,0.1,0.3,1.0] [--seed 0] [--quick]
-    python -m benchmarks.study_lr --real    # the studies on real data, into study_lr_real.json
+    python -m benchmarks.studies.lr [--studies lstm_text,transformer_text,vgg16_image,snn_image]
+                                    [--lrs 0.003,0.01,0.03,0.1,0.3,1.0] [--seed 0] [--quick]
+    python -m benchmarks.studies.lr --real    # the studies on real data, into study_lr_real.json
 
 Each study's baseline (``vanilla`` on one stage, i.e. sequential SGD, with every other setting of the
 study: model, data, steps, momentum 0.9 and the poly schedule) trains once per learning rate on one
