@@ -53,8 +53,11 @@ def run(name: str, argv: Sequence[str]) -> int:
     if name not in known:
         raise SystemExit(f"benchmark {name!r} is unknown; choose one of: {', '.join(known)} (python -m benchmarks list)")
     module = importlib.import_module(known[name][0])
-    sys.argv = [f"python -m benchmarks run {name}", *argv]  # what argparse's usage lines name
-    return int(module.main(list(argv)) or 0)
+    saved, sys.argv = sys.argv, [f"python -m benchmarks run {name}", *argv]  # what argparse's usage lines name
+    try:
+        return int(module.main(list(argv)) or 0)
+    finally:
+        sys.argv = saved
 
 
 def main(argv: Sequence[str] | None = None) -> int:
