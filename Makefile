@@ -50,10 +50,13 @@ docs: $(STAMP)
 	$(PY) -m docs.gen_results
 	$(PY) -m mkdocs build --strict --site-dir site
 
-# Every benchmark at full size (tens of minutes on 2 cores); each writes benchmarks/results/NAME.json.
-BENCHMARKS := overhead stage_cost efficiency partition communication memory p2p_memory throughput peer hops recovery driver probe plots
+# Every benchmark at full size through the runner (hours on 2 cores); each writes benchmarks/results/NAME.json.
+# make bench QUICK=1: each with --quick, a smoke run that writes to a scratch folder. python -m benchmarks list
+# names them all; gpu_check (a GPU machine) and the accuracy studies (studies, studies.lr) run by hand.
+BENCHMARKS := overhead stage_cost efficiency partition communication communication.plot memory memory.plot \
+	p2p_memory throughput peer hops recovery driver probe
 bench: $(STAMP)
-	for b in $(BENCHMARKS); do $(PY) -m benchmarks.$$b || exit 1; done
+	for b in $(BENCHMARKS); do $(PY) -m benchmarks run $$b $(if $(QUICK),--quick) || exit 1; done
 
 clean:
 	rm -rf $(VENV) outputs multirun site

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.studies import NAMES, REAL, runs
-from benchmarks.studies_table import accuracy_table, prediction_table
+from benchmarks.studies.bench import NAMES, REAL, runs
+from benchmarks.studies.table import accuracy_table, prediction_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -75,7 +75,7 @@ def communication(d: dict[str, Any]) -> list[str]:
             *_table(["model", "parameters", *(f"DP ÷ MP, N={n}" for n in ns)],
                     ([m["model"], m["parameters"], *(f"{_num(m['stages'][str(n)]['ratio_dp_over_mp'])}×" for n in ns)]
                      for m in d["models"])),
-            "", "Plot: `benchmarks/results/communication.png` (`python -m benchmarks.plots`)."]
+            "", "Plot: `benchmarks/results/communication.png` (`python -m benchmarks.communication.plot`)."]
 
 
 def memory(d: dict[str, Any]) -> list[str]:
@@ -84,7 +84,7 @@ def memory(d: dict[str, Any]) -> list[str]:
             *_table(["model", "N", "pipedream MiB", "spectrain MiB", "ratio"],
                     ([r["model"], r["stages"], round(r["total"]["pipedream_mib"]), round(r["total"]["spectrain_mib"]),
                       f"{r['total']['ratio']:.2f}"] for r in d["results"])),
-            "", "Plot: `benchmarks/results/memory.png` (`python -m benchmarks.plots`)."]
+            "", "Plot: `benchmarks/results/memory.png` (`python -m benchmarks.memory.plot`)."]
 
 
 def throughput(d: dict[str, Any]) -> list[str]:
@@ -241,8 +241,8 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("overhead", "python -m benchmarks.overhead", _rows),
     ("stage_cost", "python -m benchmarks.stage_cost", _rows),
     ("probe", "python -m benchmarks.probe", _rows),
-    ("study_lr", "python -m benchmarks.study_lr", study_lr),
-    ("study_lr_real", "python -m benchmarks.study_lr --real", study_lr),
+    ("study_lr", "python -m benchmarks.studies.lr", study_lr),
+    ("study_lr_real", "python -m benchmarks.studies.lr --real", study_lr),
 ]
 """Each record with the command that wrote it and its section's maker, in the page's order."""
 

@@ -1,5 +1,6 @@
-"""Smoke tests of ``benchmarks.memory``, ``benchmarks.peer`` and ``benchmarks.efficiency`` at their smallest sizes:
-the numbers are sane."""
+"""Smoke tests of ``benchmarks.memory``, ``benchmarks.peer``, ``benchmarks.efficiency``, ``benchmarks.gpu_check`` and
+``benchmarks.studies.table`` at their smallest sizes (the numbers are sane), and of the runner, ``python -m benchmarks``:
+its list, and each of those benchmarks' ``--quick`` run, which writes to a scratch folder, never to the results."""
 
 from __future__ import annotations
 
@@ -11,13 +12,75 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
 
-from benchmarks import efficiency, memory, one_hop, peer, peer_setup, studies_table, torch_peer  # noqa: E402
+from benchmarks.__main__ import main as benchmarks_main  # noqa: E402
+from benchmarks._shared import one_hop, peer_setup, results, torch_peer  # noqa: E402
+from benchmarks.efficiency import bench as efficiency  # noqa: E402
+from benchmarks.memory import bench as memory  # noqa: E402
+from benchmarks.peer import bench as peer  # noqa: E402
+from benchmarks.studies import table as studies_table  # noqa: E402
 from rayspec.data import DataInfo  # noqa: E402
 from rayspec.models import build_model  # noqa: E402
 from rayspec.partition import uniform  # noqa: E402
 
 IMAGE = DataInfo("image", 10, (3, 32, 32))
 TINY = peer_setup.PeerConfig(model="mlp", size="tiny", batch=16, microbatches=4, pool=2)
+
+
+# ----------------------------------------------------------------------------- the runner
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """``--quick`` runs write here; the committed results must not change."""
+    before = {p: p.stat().st_mtime_ns for p in results.RESULTS.rglob("*") if p.is_file()}
+    monkeypatch.setattr(results, "QUICK_RESULTS", tmp_path)
+    yield tmp_path
+    assert {p: p.stat().st_mtime_ns for p in results.RESULTS.rglob("*") if p.is_file()} == before
+
+
+def test_runner_lists_every_benchmark_with_its_line(capsys):
+    assert benchmarks_main(["list"]) == 0
+    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert set(lines) == {"overhead", "stage_cost", "efficiency", "partition", "communication", "communication.plot",
+                          "memory", "memory.plot", "p2p_memory", "throughput", "peer", "hops", "recovery", "driver",
+                          "probe", "gpu_check", "studies", "studies.lr", "studies.table"}
+    assert all(line.strip() for line in lines.values())
+    assert benchmarks_main([]) == 2 and "usage" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="unknown"):
+        benchmarks_main(["run", "no_such_benchmark"])
+
+
+def test_memory_quick_through_the_runner(scratch, capsys):
+    """``run memory --quick`` then ``run memory.plot --quick``: the tiny models' results and plot, in the scratch folder."""
+    assert benchmarks_main(["run", "memory", "--quick", "--models", "mlp,vgg16", "--stages", "2,4"]) == 0
+    import json
+
+    data = json.loads((scratch / "memory.json").read_text())
+    assert {r["model"] for r in data["results"]} == {"mlp", "vgg16"} and data["mismatches"] == []
+    assert benchmarks_main(["run", "memory.plot", "--quick"]) == 0
+    assert (scratch / "memory.png").stat().st_size > 0
+    assert f"wrote {scratch / 'memory.json'}" in capsys.readouterr().out
+
+
+def test_studies_table_quick_through_the_runner(scratch, capsys):
+    assert benchmarks_main(["run", "studies.table", "--quick", "--stages", "4"]) == 0
+    assert "N=4: final validation accuracy" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["efficiency", "peer"])
+def test_quick_through_the_runner(name):
+    """The benchmark's own ``--quick`` run, end to end in its own process (it starts and stops its Ray), writes its
+    results file to the scratch folder and leaves the committed results alone."""
+    import subprocess
+    import time
+
+    before = {p: p.stat().st_mtime_ns for p in results.RESULTS.rglob("*") if p.is_file()}
+    started = time.time_ns()
+    extra = ["--transports", "p2p"] if name == "peer" else ["--transports", "p2p", "--stages", "2"]
+    res = subprocess.run([sys.executable, "-m", "benchmarks", "run", name, "--quick", *extra], capture_output=True,
+                         text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (results.QUICK_RESULTS / f"{name}.json").stat().st_mtime_ns >= started
+    assert {p: p.stat().st_mtime_ns for p in results.RESULTS.rglob("*") if p.is_file()} == before
 
 
 # ----------------------------------------------------------------------------- memory
@@ -140,14 +203,14 @@ def test_rayspec_vs_torch_compare(ray_session):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
-    """The GPU check script's every path but CUDA placement, at its default sizes (the feed must not run out):
-    Ray stage actors equal the local executor, a transport the placement refuses is a row, torch's GPipe runs."""
+    """The GPU check script's every path but CUDA placement, its ``--quick`` dry run (``--device cpu --updates 4
+    --transports p2p,nccl --torch on``) at its default sizes (the feed must not run out), through the runner: Ray stage
+    actors equal the local executor, a transport the placement refuses is a row, torch's GPipe runs."""
     import json
     import subprocess
 
-    res = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--updates", "4",
-                          "--transports", "p2p,nccl", "--torch", "on", "--out", str(tmp_path)], capture_output=True,
-                         text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    res = subprocess.run([sys.executable, "-m", "benchmarks", "run", "gpu_check", "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     p2p = [r for r in rows if r["transport"] == "p2p"]

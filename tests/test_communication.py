@@ -24,7 +24,7 @@ from rayspec.training import run_training
 from rayspec.training.prepare import prepare
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives next to tests/
-from benchmarks.communication import block_bytes, boundaries, dp_bytes, mp_total  # noqa: E402
+from benchmarks.communication.bench import block_bytes, boundaries, dp_bytes, mp_total  # noqa: E402
 
 UPDATES, BATCH = 2, 4
 

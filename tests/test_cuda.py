@@ -1,6 +1,6 @@
 """On a GPU: stage actors on CUDA train as the local executor does on the CPU, on the transports the placement
 allows; events time the actions; checks and losses stay on the device. Skipped without CUDA (``pytest -m cuda``;
-``benchmarks/gpu_run.sh`` runs them)."""
+``benchmarks/gpu_check/gpu_run.sh`` runs them)."""
 
 from __future__ import annotations
 

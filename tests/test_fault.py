@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from benchmarks._common import KillActor, actor_processes, stage_actor_processes
+from benchmarks._shared.processes import KillActor, actor_processes, stage_actor_processes
 from rayspec.config import from_mapping
 from rayspec.training import RunFailed, run_training
 

@@ -1,0 +1,1 @@
+"""What several benchmarks share: result files and tables, processes and CPU accounting, the peer model."""

@@ -1,0 +1,1 @@
+"""Bytes moved per update: pipelined model parallelism against data parallelism."""

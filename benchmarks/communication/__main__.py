@@ -1,0 +1,5 @@
+"""``python -m benchmarks.communication``: see ``bench.py``."""
+
+from benchmarks.communication.bench import main
+
+main()

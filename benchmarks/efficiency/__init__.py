@@ -1,0 +1,1 @@
+"""Pipeline efficiency: ideal schedule makespan over measured time, sleep-timed stages and real compute."""

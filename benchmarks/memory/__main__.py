@@ -1,0 +1,5 @@
+"""``python -m benchmarks.memory``: see ``bench.py``."""
+
+from benchmarks.memory.bench import main
+
+main()

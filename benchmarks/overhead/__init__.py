@@ -1,0 +1,1 @@
+"""Framework overhead: ms per hop of RayExecutor against a bare chain of Ray actor calls."""

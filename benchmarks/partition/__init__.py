@@ -1,0 +1,1 @@
+"""Partitioners: per-block profiles, and the slowest stage under profile, uniform and parameters."""

@@ -1,0 +1,1 @@
+"""Training throughput (samples/s) of every method, data parallelism included."""
