@@ -56,7 +56,7 @@ def test_an_unknown_name_is_a_config_error_everywhere():
     from rayspec.models import build_model
     from rayspec.partition import choose_partition
 
-    with pytest.raises(ConfigError, match=r"pipeline.method='spectrian' is unknown; choose one of .*spectrain "
+    with pytest.raises(ConfigError, match=r"pipeline.method='spectrian' is unknown; choose one of .*spectrain.* "
                                           r"\(did you mean 'spectrain'\?\)"):
         method("spectrian")
     with pytest.raises(ConfigError, match="pipeline.method='spectrian' is unknown"):
