@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import tempfile
 
 import torch
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--method", default="spectrain")
     args = ap.parse_args()
+    logging.getLogger("rayspec").setLevel(logging.WARNING)  # the runs' own lines stay quiet; this prints one each
     torch.manual_seed(0)
     model = SpiralNet()
     train, val = spirals(4096), spirals(1024, seed=1)
@@ -71,7 +73,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as run_dir:
             summary = rayspec.fit(net, train, val, method=args.method, stages=args.stages, run_dir=run_dir,
                                   executor=executor, max_steps=args.steps, batch_size=64, lr=0.1, log_every=20,
-                                  cpus_per_stage=0.5 if executor == "ray" else None, echo=lambda _: None)
+                                  cpus_per_stage=0.5 if executor == "ray" else None)
         trained[executor] = net  # fit leaves the run's final weights in the model
         print(f"{executor:<6} {args.method} on {args.stages} stages: loss {summary.final_train_loss:.4f}  "
               f"val_accuracy {summary.val_accuracy:.4f}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import logging
+import logging.handlers
 import math
 import shlex
 import subprocess
@@ -18,6 +20,7 @@ from rayspec.cli.sweep import SweepError, available, load_sweep, trial_overrides
 from rayspec.cli.tune import RESULTS, _Resources, _Setup, _tuner, param_space, parse_args, run_sweep
 from rayspec.config import from_mapping
 from rayspec.config.compose import compose, override_value
+from rayspec.training.console import relayed_to
 
 TINY = [
     "model=mlp", "model.size=tiny", "pipeline.executor=ray", "pipeline.stages=2", "pipeline.cpus_per_stage=0.4",
@@ -78,10 +81,11 @@ def tiny_sweep(ray_session, tmp_path_factory):
     settings = yaml.safe_load(path.read_text())
     settings["overrides"] += ["logger=wandb", "logger.mode=offline"]  # one offline W&B run per trial
     path.write_text(yaml.safe_dump(settings))
-    lines: list[str] = []
     sweep = load_sweep(str(path), storage_path=str(root / "out"))
-    rows = run_sweep(sweep, echo=lines.append)
-    return path, sweep, rows, lines
+    logged = logging.handlers.BufferingHandler(10_000)  # the sweep's lines (caplog is one test's only)
+    with relayed_to(logged):
+        rows = run_sweep(sweep)
+    return path, sweep, rows, [r.getMessage() for r in logged.buffer]
 
 
 def test_two_trial_sweep_writes_results(tiny_sweep):
@@ -117,20 +121,21 @@ def test_sweep_trials_log_to_wandb_offline(tiny_sweep):
         assert len(losses) == 2 and all(math.isfinite(v) for v in losses)  # train.log_every=10 of 20 updates
 
 
-def test_sweep_resumes_without_new_trials(tiny_sweep):
+def test_sweep_resumes_without_new_trials(tiny_sweep, caplog):
     path, sweep, rows, _ = tiny_sweep
+    caplog.set_level(logging.INFO, logger="rayspec")
     trial_dirs = sorted(p.name for p in sweep.directory.iterdir() if p.is_dir())
-    lines: list[str] = []
-    again = run_sweep(load_sweep(str(path), storage_path=sweep.storage_path), echo=lines.append)
-    assert any("resuming sweep tiny" in line for line in lines)
+    again = run_sweep(load_sweep(str(path), storage_path=sweep.storage_path))
+    assert any("resuming sweep tiny" in line for line in caplog.messages)
     assert [(r["trial_id"], r["val_accuracy"]) for r in again] == [(r["trial_id"], r["val_accuracy"]) for r in rows]
     assert sorted(p.name for p in sweep.directory.iterdir() if p.is_dir()) == trial_dirs
     changed = load_sweep(str(path), ["train.max_steps=30"], storage_path=sweep.storage_path)
     with pytest.raises(SweepError, match="with other settings .*resume=false"):
-        run_sweep(changed, echo=lines.append)
-    _tuner(changed, False, lines.append)  # resume=false: the earlier sweep is moved aside, nothing is lost
+        run_sweep(changed)
+    caplog.clear()
+    _tuner(changed, False)  # resume=false: the earlier sweep is moved aside, nothing is lost
     aside = [p for p in sweep.directory.parent.iterdir() if p.name.startswith("tiny-")]
-    assert len(aside) == 1 and (aside[0] / RESULTS).exists() and "moved the earlier sweep" in lines[-2]
+    assert len(aside) == 1 and (aside[0] / RESULTS).exists() and "moved the earlier sweep" in caplog.messages[-2]
     assert not (sweep.directory / RESULTS).exists()
 
 
