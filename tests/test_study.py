@@ -14,6 +14,7 @@ import yaml
 
 from rayspec.cli.study import BASELINE, DEFAULT_METHODS, StudyError, available, load_study, main, plan_runs, run_study
 from rayspec.data import DataError
+from rayspec.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -142,7 +143,6 @@ def test_dropout_gives_one_baseline_per_stage_count(tmp_path):
 
 @pytest.mark.parametrize("settings, overrides, message", [
     ({"method": ["async"]}, [], "unknown key 'method'; did you mean methods?"),
-    ({"methods": ["spectrain"]}, [], "method 'spectrain' is unknown; did you mean spectrain-paper?"),
     ({"stages": [2, 9]}, [], "pipeline.stages=9 but the model has 7 blocks"),
     ({}, ["train.eval_every=0"], "train.eval_every=0 gives no evaluations"),
     ({}, ["pipeline.stages=2"], "give methods=, stages= or seeds="),
@@ -153,9 +153,15 @@ def test_bad_studies_stop_before_training(tmp_path, settings, overrides, message
         load_study(str(write_study(tmp_path / "bad.yaml", **settings)), overrides)
 
 
+def test_an_unknown_method_label_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"method='spectrain' is unknown in study bad; choose one of .*spectrain-paper"
+                                          r".* \(did you mean 'spectrain-paper'\?\)"):
+        load_study(str(write_study(tmp_path / "bad.yaml", methods=["spectrain"])))
+
+
 def test_cli_errors_exit_2(capsys):
     assert main(["study=no_such_study"]) == 2
-    assert "not found; available studies" in capsys.readouterr().err
+    assert "study='no_such_study' is unknown in" in capsys.readouterr().err
     assert main(["study=lstm_text", "resume=maybe"]) == 2
     assert "resume='maybe' must be true or false" in capsys.readouterr().err
 

@@ -22,6 +22,7 @@ from rayspec.cli.study_tune import tune_study
 from rayspec.cli.tune import trial_bundles
 from rayspec.config import from_mapping
 from rayspec.config.compose import compose
+from rayspec.errors import ConfigError
 from rayspec.training.console import relayed_to
 
 TINY = [
@@ -121,8 +122,9 @@ def test_trial_placement_groups(ray_session):
 def test_runner_options(capsys):
     assert runner_options({}) == ("sequential", 1)
     assert runner_options({"runner": "tune", "max_concurrent_trials": None}) == ("tune", None)
-    for options, message in [({"runner": "slurm"}, "runner='slurm' is unknown"),
-                             ({"max_concurrent_trials": 4}, "applies to runner=tune"),
+    with pytest.raises(ConfigError, match=r"runner='slurm' is unknown .*; choose one of sequential, tune"):
+        runner_options({"runner": "slurm"})
+    for options, message in [({"max_concurrent_trials": 4}, "applies to runner=tune"),
                              ({"runner": "tune", "max_concurrent_trials": 0}, "must be an integer >= 1")]:
         with pytest.raises(StudyError, match=message):
             runner_options(options)

@@ -20,6 +20,7 @@ from rayspec.cli.sweep import SweepError, available, load_sweep, trial_overrides
 from rayspec.cli.tune import RESULTS, _Resources, _Setup, _tuner, param_space, parse_args, run_sweep
 from rayspec.config import from_mapping
 from rayspec.config.compose import compose, override_value
+from rayspec.errors import ConfigError
 from rayspec.training.console import relayed_to
 
 TINY = [
@@ -141,7 +142,6 @@ def test_sweep_resumes_without_new_trials(tiny_sweep, caplog):
 
 BAD = [
     ({"num_sample": 2}, "unknown key 'num_sample'; did you mean num_samples?"),
-    ({"search_space": {"optim.lr": {"normal": [0, 1]}}}, "unknown domain 'normal'; use one of grid, choice"),
     ({"search_space": {"optim.lr": [0.1, 0.2]}}, "must be one domain like {choice: [a, b]}"),
     ({"search_space": {"pipeline.stagse": {"grid": [2]}}}, "search_space pipeline.stagse=2: Could not override"),
     ({"search_space": {"model": {"choice": ["mlp", "alexnet"]}}}, "model=alexnet: In 'config': Could not find"),
@@ -150,11 +150,9 @@ BAD = [
     ({"search_space": {"optim.momentum": {"uniform": [0.5, 1.5]}}}, "optim.momentum=1.0 must be in [0, 1)"),
     ({"search_space": {"optim.lr": {"uniform": [0.1]}}}, "uniform needs [low, high] numbers"),
     ({"overrides": ["train.max_steps=0"]}, "overrides: train.max_steps=0 must be >= 1"),
-    ({"metric": "accuracy"}, "metric='accuracy' is not reported; use one of val_accuracy"),
-    ({"scheduler": "hyperband"}, "scheduler 'hyperband' is unknown; use fifo or {name: asha"),
+    ({"scheduler": {"name": "fifo", "max_t": 2}}, "scheduler fifo takes no settings"),
     ({"scheduler": {"name": "asha", "max_t": 2, "grace_period": 3}}, "grace_period <= max_t"),
     ({"scheduler": {"name": "asha"}, "overrides": TINY[:-4]}, "train.eval_every=0 evaluates only at the end"),
-    ({"search_alg": "bayes"}, "search_alg='bayes' is unknown; use one of random, grid, optuna"),
     ({"search_alg": "grid", "search_space": {"optim.lr": {"uniform": [0.01, 0.1]}}}, "search_alg=grid needs grid"),
     ({"search_alg": "optuna"}, "search_alg=optuna samples and takes no grid domains (optim.lr); use choice"),
     ({"num_samples": 0}, "num_samples=0 must be an integer >= 1"),
@@ -171,9 +169,31 @@ def test_bad_sweep_is_a_clear_error(tmp_path, settings, message):
     assert message in str(info.value)
 
 
-def test_missing_sweep_lists_the_available_ones():
-    with pytest.raises(SweepError, match="sweep=nope not found; available sweeps in .*lr_method, partition"):
+UNKNOWN = [
+    ({"search_space": {"optim.lr": {"normal": [0, 1]}}},
+     "domain='normal' is unknown for search_space.optim.lr in sweep bad; choose one of grid, choice"),
+    ({"metric": "accuracy"}, "metric='accuracy' is unknown in sweep bad (trials report only these); choose one of "
+                             "val_accuracy"),
+    ({"mode": "maximum"}, "mode='maximum' is unknown in sweep bad; choose one of max, min (did you mean 'max'?)"),
+    ({"scheduler": "hyperband"}, "scheduler='hyperband' is unknown in sweep bad (asha as {name: asha, max_t: 8, "
+                                 "grace_period: 2, reduction_factor: 2}); choose one of fifo, asha"),
+    ({"search_alg": "bayes"}, "search_alg='bayes' is unknown in sweep bad; choose one of random, grid, optuna"),
+]
+
+
+@pytest.mark.parametrize("settings,message", UNKNOWN, ids=[str(b[0])[:60] for b in UNKNOWN])
+def test_an_unknown_name_in_a_sweep_is_a_config_error(tmp_path, settings, message):
+    with pytest.raises(ConfigError) as info:
+        load_sweep(str(write_sweep(tmp_path / "bad.yaml", **settings)))
+    assert message in str(info.value)
+
+
+def test_missing_sweep_lists_the_available_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"sweep='nope' is unknown in .*sweeps \(a path to a .yaml file works "
+                                          r"too\); choose one of lr_method, partition"):
         load_sweep("nope")
+    with pytest.raises(SweepError, match="absent.yaml not found; available sweeps in .*lr_method, partition"):
+        load_sweep(str(tmp_path / "absent.yaml"))
 
 
 def test_command_line_arguments():
@@ -192,7 +212,7 @@ def test_cli_reports_bad_sweeps_before_ray_starts(tmp_path, bad):
     res = subprocess.run([sys.executable, "-m", "rayspec.tune", f"sweep={ref}", f"storage_path={tmp_path}"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
-    expected = "error: sweep=nope not found; available sweeps" if bad == "nope" else "unknown domain 'normal'"
+    expected = "error: sweep='nope' is unknown in" if bad == "nope" else "domain='normal' is unknown"
     assert expected in res.stderr
     assert "Started a local Ray instance" not in res.stderr + res.stdout
     assert not any(tmp_path.glob("*/experiment_state*"))

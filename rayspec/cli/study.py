@@ -53,7 +53,7 @@ from rayspec.cli.study_run import (
     report_study,
     train_run,
 )
-from rayspec.errors import RayspecError
+from rayspec.errors import RayspecError, unknown
 from rayspec.training.console import ensure_console
 from rayspec.training.progress import duration
 
@@ -117,8 +117,8 @@ def runner_options(options: dict[str, Any]) -> tuple[str, int | None]:
     command's options, checked."""
     runner = options.pop("runner", "sequential")
     if runner not in RUNNERS:
-        raise StudyError(f"runner={runner!r} is unknown; use sequential (one run after another here) or tune "
-                         "(Ray Tune trials, side by side and across a cluster)")
+        raise unknown("runner", runner, RUNNERS, " (sequential: one run after another here; tune: Ray Tune trials, "
+                      "side by side and across a cluster)")
     given = "max_concurrent_trials" in options
     limit = options.pop("max_concurrent_trials", 1)
     if given and runner != "tune":
