@@ -45,15 +45,21 @@ def test_schedule_equals_python_m(capsys):
     assert "write stages=VALUE" in capsys.readouterr().err
     assert main(["schedule", "stage=4"]) == 2
     assert "unknown key 'stage'; did you mean stages?" in capsys.readouterr().err
+    assert main(["schedule", "schedule=zb1"]) == 2  # an unknown name: a ConfigError, reported as bad input
+    assert "schedule='zb1' is unknown; choose one of vanilla" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command, kind, listed", [("tune", "sweep", "available sweeps: lr_method"),
-                                                   ("study", "study", "available studies: lstm_rt, lstm_text")])
-def test_tune_and_study_help_and_bad_input(capsys, command, kind, listed):
+@pytest.mark.parametrize("command, kind, listed, choices", [
+    ("tune", "sweep", "available sweeps: lr_method", "choose one of lr_method"),
+    ("study", "study", "available studies: lstm_rt, lstm_text", "choose one of lstm_rt, lstm_text")])
+def test_tune_and_study_help_and_bad_input(capsys, command, kind, listed, choices):
     assert main([command, "--help"]) == 0
     assert listed in capsys.readouterr().out
     assert main([command, f"{kind}=no_such_file"]) == 2
-    assert f"{kind}=no_such_file not found" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{kind}='no_such_file' is unknown in" in err and choices in err
+    assert main([command, f"{kind}=no_such_file.yaml"]) == 2
+    assert f"{kind}=no_such_file.yaml not found" in capsys.readouterr().err
 
 
 def test_train_runs_as_python_m_does(tmp_path, capsys):

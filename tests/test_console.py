@@ -32,11 +32,18 @@ def test_a_program_that_set_up_logging_keeps_its_setup():
 def test_relayed_lines_go_to_the_handler_alone_and_the_setup_comes_back(caplog):
     caplog.set_level(logging.WARNING, logger=ROOT)
     logger = logging.getLogger(ROOT)
-    kept = logger.level, logger.propagate, list(logger.handlers)
-    relay = logging.handlers.BufferingHandler(100)
-    with relayed_to(relay):
-        logging.getLogger("rayspec.training.progress").info("step %6d/%d", 3, 6)
-    logging.getLogger("rayspec.training.progress").info("after")
+    console = logging.handlers.BufferingHandler(100)  # where ensure_console's handler would be
+    logger.addHandler(console)
+    try:
+        kept = logger.level, logger.propagate, list(logger.handlers)
+        relay = logging.handlers.BufferingHandler(100)
+        with relayed_to(relay):
+            logging.getLogger("rayspec.training.progress").info("step %6d/%d", 3, 6)
+        logging.getLogger("rayspec.training.progress").info("after")
+        logging.getLogger("rayspec.training.progress").warning("back")
+        assert (logger.level, logger.propagate, list(logger.handlers)) == kept
+    finally:
+        logger.removeHandler(console)
     assert [relay.format(r) for r in relay.buffer] == ["step      3/6"]
-    assert caplog.messages == []  # not propagated while relayed, and INFO is below the level after it
-    assert (logger.level, logger.propagate, list(logger.handlers)) == kept
+    assert [r.getMessage() for r in console.buffer] == ["back"]  # the logger's own handlers skip the relayed lines
+    assert caplog.messages == ["back"]  # not propagated while relayed, and INFO is below the level after it

@@ -8,6 +8,7 @@ import importlib
 from pathlib import Path
 
 import pytest
+import yaml
 
 import rayspec
 from rayspec.core.methods import method
@@ -48,15 +49,20 @@ def test_the_seven_and_run_failed_are_exported():
     assert {"RunSummary", "Callback", "RayspecError", "ConfigError", "RunFailed"} <= set(rayspec.__all__)
 
 
-def test_an_unknown_name_is_a_config_error_everywhere():
+def test_an_unknown_name_is_a_config_error_everywhere(tmp_path):
+    from rayspec.cli.schedule import parse_args as schedule_args
+    from rayspec.cli.study import runner_options
+    from rayspec.cli.study_config import load_study
+    from rayspec.cli.sweep import load_sweep
     from rayspec.config import PipelineConfig
     from rayspec.core.optim import Optimizer, OptimSpec
     from rayspec.core.schedule import build_schedule
+    from rayspec.core.stage_spec import StageSpec
     from rayspec.data import build_data
     from rayspec.models import build_model
     from rayspec.partition import choose_partition
 
-    with pytest.raises(ConfigError, match=r"pipeline.method='spectrian' is unknown; choose one of .*spectrain.* "
+    with pytest.raises(ConfigError, match=r"pipeline.method='spectrian' is unknown; choose one of .*spectrain, .* "
                                           r"\(did you mean 'spectrain'\?\)"):
         method("spectrian")
     with pytest.raises(ConfigError, match="pipeline.method='spectrian' is unknown"):
@@ -71,4 +77,32 @@ def test_an_unknown_name_is_a_config_error_everywhere():
         choose_partition(None, 2, "fastest")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="optim.name='lamb' is unknown"):
         Optimizer([], OptimSpec(name="lamb"))
+    with pytest.raises(ConfigError, match=r"schedule='1f1c' is unknown; .*\(did you mean '1f1b'\?\)"):
+        build_schedule("1f1c", 2, 2)
+    with pytest.raises(ConfigError, match="variant='papr' is unknown; choose one of paper, consistent"):
+        build_schedule("1f1b", 2, 2).version_differences("papr")
+    for setting in ({"policy": "lookahead"}, {"backward": "twice"}, {"precision": "fp16"}, {"predictor": "quadratic"},
+                    {"clip_scope": "layer"}):
+        with pytest.raises(ConfigError, match=f"{next(iter(setting))}=.* is unknown; choose one of"):
+            StageSpec(**setting)
+    with pytest.raises(ConfigError, match="sweep='nope' is unknown in .*; choose one of lr_method"):
+        load_sweep("nope")
+    with pytest.raises(ConfigError, match="study='nope' is unknown in .*; choose one of lstm_rt"):
+        load_study("nope")
+    with pytest.raises(ConfigError, match="runner='slurm' is unknown"):
+        runner_options({"runner": "slurm"})
+    with pytest.raises(ConfigError, match="schedule='zigzag' is unknown"):
+        schedule_args(["schedule=zigzag"])
+    sweep_file = tmp_path / "sweep.yaml"
+    for settings, message in [({"search_space": {"optim.lr": {"normal": [0, 1]}}}, "domain='normal' is unknown"),
+                              ({"scheduler": "hyperband"}, "scheduler='hyperband' is unknown"),
+                              ({"search_alg": "bayes"}, "search_alg='bayes' is unknown")]:
+        sweep_file.write_text(yaml.safe_dump({"search_space": {"optim.lr": {"grid": [0.1]}}, **settings}))
+        with pytest.raises(ConfigError, match=message):
+            load_sweep(str(sweep_file))
+    study_file = tmp_path / "study.yaml"
+    study_file.write_text(yaml.safe_dump({"methods": ["spectrian-paper"]}))
+    with pytest.raises(ConfigError, match=r"method='spectrian-paper' is unknown in study study; .*\(did you mean "
+                                          r"'spectrain-paper'\?\)"):
+        load_study(str(study_file))
     assert str(unknown("x", 3, ["a"])) == "x=3 is unknown; choose one of a"

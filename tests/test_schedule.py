@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from rayspec.core.schedule import Action, Schedule, ScheduleError, build_schedule
+from rayspec.errors import ConfigError
 
 
 @pytest.mark.parametrize("name", ["vanilla", "gpipe", "1f1b"])
@@ -105,14 +106,14 @@ def test_validator_rejects_broken_schedules():
         _schedule(no_update).validate()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(name="zigzag", stages=2, microbatches=2), "schedule='zigzag' is unknown"),
-    (dict(name="1f1b", stages=0, microbatches=2), "stages=0"),
-    (dict(name="gpipe", stages=2, microbatches=0), "microbatches=0"),
-    (dict(name="gpipe", stages=2, microbatches=6, group=4), "group=4 must be >= 1 and divide"),
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(name="zigzag", stages=2, microbatches=2), ConfigError, "schedule='zigzag' is unknown; choose one of vanilla"),
+    (dict(name="1f1b", stages=0, microbatches=2), ScheduleError, "stages=0"),
+    (dict(name="gpipe", stages=2, microbatches=0), ScheduleError, "microbatches=0"),
+    (dict(name="gpipe", stages=2, microbatches=6, group=4), ScheduleError, "group=4 must be >= 1 and divide"),
 ])
-def test_bad_arguments(kwargs, match):
-    with pytest.raises(ScheduleError, match=match):
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
         build_schedule(kwargs.pop("name"), **kwargs)
 
 

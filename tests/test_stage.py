@@ -399,9 +399,10 @@ def test_tuple_activations_carry_gradients():
 
 def test_a_stage_spec_refuses_an_unknown_setting_where_it_is_made():
     from rayspec.core.stage_spec import StageSpec
+    from rayspec.errors import ConfigError
 
     for setting in ({"policy": "lookahead"}, {"backward": "twice"}, {"predictor": "quadratic"},
                     {"precision": "fp16"}, {"clip_scope": "layer"}):
         (name, value), = setting.items()
-        with pytest.raises(ValueError, match=f"{name}='{value}' is unknown; choose one of"):
+        with pytest.raises(ConfigError, match=f"{name}='{value}' is unknown; choose one of"):
             StageSpec(**setting)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import math
 import os
 import shutil
@@ -20,6 +22,8 @@ from rayspec.cli.study_tune import tune_study
 from rayspec.cli.tune import trial_bundles
 from rayspec.config import from_mapping
 from rayspec.config.compose import compose
+from rayspec.errors import ConfigError
+from rayspec.training.console import relayed_to
 
 TINY = [
     "model=mlp", "model.size=tiny", "data.train_size=512", "data.val_size=128", "data.noise=1.0",
@@ -60,12 +64,13 @@ def studies(ray_session, tmp_path_factory):
     trials at once."""
     root = tmp_path_factory.mktemp("study")
     path = write_study(root / "tiny.yaml")
-    sequential = run_study(load_study(str(path), output_dir=str(root / "seq")), echo=lambda line: None)
-    lines: list[str] = []
+    sequential = run_study(load_study(str(path), output_dir=str(root / "seq")))
     spans = Spans()
-    tuned = tune_study(load_study(str(path), output_dir=str(root / "tune")), echo=lines.append,
-                       max_concurrent_trials=2, callbacks=[spans])
-    return root, path, sequential, tuned, lines, spans
+    logged = logging.handlers.BufferingHandler(10_000)  # the study's lines (caplog is one test's only)
+    with relayed_to(logged):
+        tuned = tune_study(load_study(str(path), output_dir=str(root / "tune")), max_concurrent_trials=2,
+                           callbacks=[spans])
+    return root, path, sequential, tuned, [r.getMessage() for r in logged.buffer], spans
 
 
 def test_a_study_on_tune_reports_what_the_sequential_runner_reports(studies):
@@ -90,14 +95,14 @@ def test_a_study_on_tune_reports_what_the_sequential_runner_reports(studies):
 
 
 @pytest.mark.slow
-def test_a_study_on_tune_resumes_through_tune(studies):
+def test_a_study_on_tune_resumes_through_tune(studies, caplog):
     """The same study again, after a run's folder was removed: both experiments are restored, and only that run
     trains anew."""
     root, path, sequential, _, _, _ = studies
     shutil.rmtree(root / "tune" / "runs" / "gpipe-n2-seed0")
-    again: list[str] = []
-    resumed = tune_study(load_study(str(path), output_dir=str(root / "tune")), echo=again.append,
-                         max_concurrent_trials=2)
+    caplog.set_level(logging.INFO, logger="rayspec")
+    resumed = tune_study(load_study(str(path), output_dir=str(root / "tune")), max_concurrent_trials=2)
+    again = caplog.messages
     assert any("resuming the baselines trials" in line for line in again)
     assert any("resuming the methods trials" in line for line in again)
     assert any("left runs unfinished; training them anew" in line for line in again)
@@ -117,8 +122,9 @@ def test_trial_placement_groups(ray_session):
 def test_runner_options(capsys):
     assert runner_options({}) == ("sequential", 1)
     assert runner_options({"runner": "tune", "max_concurrent_trials": None}) == ("tune", None)
-    for options, message in [({"runner": "slurm"}, "runner='slurm' is unknown"),
-                             ({"max_concurrent_trials": 4}, "applies to runner=tune"),
+    with pytest.raises(ConfigError, match=r"runner='slurm' is unknown .*; choose one of sequential, tune"):
+        runner_options({"runner": "slurm"})
+    for options, message in [({"max_concurrent_trials": 4}, "applies to runner=tune"),
                              ({"runner": "tune", "max_concurrent_trials": 0}, "must be an integer >= 1")]:
         with pytest.raises(StudyError, match=message):
             runner_options(options)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import logging
+import logging.handlers
 import math
 import shlex
 import subprocess
@@ -18,6 +20,8 @@ from rayspec.cli.sweep import SweepError, available, load_sweep, trial_overrides
 from rayspec.cli.tune import RESULTS, _Resources, _Setup, _tuner, param_space, parse_args, run_sweep
 from rayspec.config import from_mapping
 from rayspec.config.compose import compose, override_value
+from rayspec.errors import ConfigError
+from rayspec.training.console import relayed_to
 
 TINY = [
     "model=mlp", "model.size=tiny", "pipeline.executor=ray", "pipeline.stages=2", "pipeline.cpus_per_stage=0.4",
@@ -78,10 +82,11 @@ def tiny_sweep(ray_session, tmp_path_factory):
     settings = yaml.safe_load(path.read_text())
     settings["overrides"] += ["logger=wandb", "logger.mode=offline"]  # one offline W&B run per trial
     path.write_text(yaml.safe_dump(settings))
-    lines: list[str] = []
     sweep = load_sweep(str(path), storage_path=str(root / "out"))
-    rows = run_sweep(sweep, echo=lines.append)
-    return path, sweep, rows, lines
+    logged = logging.handlers.BufferingHandler(10_000)  # the sweep's lines (caplog is one test's only)
+    with relayed_to(logged):
+        rows = run_sweep(sweep)
+    return path, sweep, rows, [r.getMessage() for r in logged.buffer]
 
 
 def test_two_trial_sweep_writes_results(tiny_sweep):
@@ -117,26 +122,26 @@ def test_sweep_trials_log_to_wandb_offline(tiny_sweep):
         assert len(losses) == 2 and all(math.isfinite(v) for v in losses)  # train.log_every=10 of 20 updates
 
 
-def test_sweep_resumes_without_new_trials(tiny_sweep):
+def test_sweep_resumes_without_new_trials(tiny_sweep, caplog):
     path, sweep, rows, _ = tiny_sweep
+    caplog.set_level(logging.INFO, logger="rayspec")
     trial_dirs = sorted(p.name for p in sweep.directory.iterdir() if p.is_dir())
-    lines: list[str] = []
-    again = run_sweep(load_sweep(str(path), storage_path=sweep.storage_path), echo=lines.append)
-    assert any("resuming sweep tiny" in line for line in lines)
+    again = run_sweep(load_sweep(str(path), storage_path=sweep.storage_path))
+    assert any("resuming sweep tiny" in line for line in caplog.messages)
     assert [(r["trial_id"], r["val_accuracy"]) for r in again] == [(r["trial_id"], r["val_accuracy"]) for r in rows]
     assert sorted(p.name for p in sweep.directory.iterdir() if p.is_dir()) == trial_dirs
     changed = load_sweep(str(path), ["train.max_steps=30"], storage_path=sweep.storage_path)
     with pytest.raises(SweepError, match="with other settings .*resume=false"):
-        run_sweep(changed, echo=lines.append)
-    _tuner(changed, False, lines.append)  # resume=false: the earlier sweep is moved aside, nothing is lost
+        run_sweep(changed)
+    caplog.clear()
+    _tuner(changed, False)  # resume=false: the earlier sweep is moved aside, nothing is lost
     aside = [p for p in sweep.directory.parent.iterdir() if p.name.startswith("tiny-")]
-    assert len(aside) == 1 and (aside[0] / RESULTS).exists() and "moved the earlier sweep" in lines[-2]
+    assert len(aside) == 1 and (aside[0] / RESULTS).exists() and "moved the earlier sweep" in caplog.messages[-2]
     assert not (sweep.directory / RESULTS).exists()
 
 
 BAD = [
     ({"num_sample": 2}, "unknown key 'num_sample'; did you mean num_samples?"),
-    ({"search_space": {"optim.lr": {"normal": [0, 1]}}}, "unknown domain 'normal'; use one of grid, choice"),
     ({"search_space": {"optim.lr": [0.1, 0.2]}}, "must be one domain like {choice: [a, b]}"),
     ({"search_space": {"pipeline.stagse": {"grid": [2]}}}, "search_space pipeline.stagse=2: Could not override"),
     ({"search_space": {"model": {"choice": ["mlp", "alexnet"]}}}, "model=alexnet: In 'config': Could not find"),
@@ -145,11 +150,9 @@ BAD = [
     ({"search_space": {"optim.momentum": {"uniform": [0.5, 1.5]}}}, "optim.momentum=1.0 must be in [0, 1)"),
     ({"search_space": {"optim.lr": {"uniform": [0.1]}}}, "uniform needs [low, high] numbers"),
     ({"overrides": ["train.max_steps=0"]}, "overrides: train.max_steps=0 must be >= 1"),
-    ({"metric": "accuracy"}, "metric='accuracy' is not reported; use one of val_accuracy"),
-    ({"scheduler": "hyperband"}, "scheduler 'hyperband' is unknown; use fifo or {name: asha"),
+    ({"scheduler": {"name": "fifo", "max_t": 2}}, "scheduler fifo takes no settings"),
     ({"scheduler": {"name": "asha", "max_t": 2, "grace_period": 3}}, "grace_period <= max_t"),
     ({"scheduler": {"name": "asha"}, "overrides": TINY[:-4]}, "train.eval_every=0 evaluates only at the end"),
-    ({"search_alg": "bayes"}, "search_alg='bayes' is unknown; use one of random, grid, optuna"),
     ({"search_alg": "grid", "search_space": {"optim.lr": {"uniform": [0.01, 0.1]}}}, "search_alg=grid needs grid"),
     ({"search_alg": "optuna"}, "search_alg=optuna samples and takes no grid domains (optim.lr); use choice"),
     ({"num_samples": 0}, "num_samples=0 must be an integer >= 1"),
@@ -166,9 +169,31 @@ def test_bad_sweep_is_a_clear_error(tmp_path, settings, message):
     assert message in str(info.value)
 
 
-def test_missing_sweep_lists_the_available_ones():
-    with pytest.raises(SweepError, match="sweep=nope not found; available sweeps in .*lr_method, partition"):
+UNKNOWN = [
+    ({"search_space": {"optim.lr": {"normal": [0, 1]}}},
+     "domain='normal' is unknown for search_space.optim.lr in sweep bad; choose one of grid, choice"),
+    ({"metric": "accuracy"}, "metric='accuracy' is unknown in sweep bad (trials report only these); choose one of "
+                             "val_accuracy"),
+    ({"mode": "maximum"}, "mode='maximum' is unknown in sweep bad; choose one of max, min (did you mean 'max'?)"),
+    ({"scheduler": "hyperband"}, "scheduler='hyperband' is unknown in sweep bad (asha as {name: asha, max_t: 8, "
+                                 "grace_period: 2, reduction_factor: 2}); choose one of fifo, asha"),
+    ({"search_alg": "bayes"}, "search_alg='bayes' is unknown in sweep bad; choose one of random, grid, optuna"),
+]
+
+
+@pytest.mark.parametrize("settings,message", UNKNOWN, ids=[str(b[0])[:60] for b in UNKNOWN])
+def test_an_unknown_name_in_a_sweep_is_a_config_error(tmp_path, settings, message):
+    with pytest.raises(ConfigError) as info:
+        load_sweep(str(write_sweep(tmp_path / "bad.yaml", **settings)))
+    assert message in str(info.value)
+
+
+def test_missing_sweep_lists_the_available_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"sweep='nope' is unknown in .*sweeps \(a path to a .yaml file works "
+                                          r"too\); choose one of lr_method, partition"):
         load_sweep("nope")
+    with pytest.raises(SweepError, match="absent.yaml not found; available sweeps in .*lr_method, partition"):
+        load_sweep(str(tmp_path / "absent.yaml"))
 
 
 def test_command_line_arguments():
@@ -187,7 +212,7 @@ def test_cli_reports_bad_sweeps_before_ray_starts(tmp_path, bad):
     res = subprocess.run([sys.executable, "-m", "rayspec.tune", f"sweep={ref}", f"storage_path={tmp_path}"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
-    expected = "error: sweep=nope not found; available sweeps" if bad == "nope" else "unknown domain 'normal'"
+    expected = "error: sweep='nope' is unknown in" if bad == "nope" else "domain='normal' is unknown"
     assert expected in res.stderr
     assert "Started a local Ray instance" not in res.stderr + res.stdout
     assert not any(tmp_path.glob("*/experiment_state*"))

@@ -13,6 +13,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException
 
+from rayspec.errors import unknown
+
 __all__ = ["EXPERIMENTS", "settings_names", "find_settings", "read_settings", "check_keys",
            "parse_overrides", "split_args"]
 
@@ -28,12 +30,20 @@ def settings_names(folder: Path) -> list[str]:
 
 
 def find_settings(ref: str, folder: Path, kind: str, error: type[Exception], plural: str = "") -> Path:
-    """The ``kind`` file (sweep, study) for ``kind=REF``: a name in ``folder`` or a path to a ``.yaml`` file."""
+    """The ``kind`` file (sweep, study) for ``kind=REF``: a name in ``folder`` or a path to a ``.yaml`` file.
+
+    Raises:
+        ConfigError: ``ref`` is a name that names no file in ``folder`` (``unknown``).
+        error: ``ref`` is a path to a ``.yaml`` file that does not exist.
+    """
     path = Path(ref).expanduser()
-    candidates = [path] if path.suffix in (".yaml", ".yml") else [folder / f"{ref}.yaml", path.with_suffix(".yaml")]
+    is_path = path.suffix in (".yaml", ".yml")
+    candidates = [path] if is_path else [folder / f"{ref}.yaml", path.with_suffix(".yaml")]
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    if not is_path:
+        raise unknown(kind, ref, settings_names(folder), f" in {folder} (a path to a .yaml file works too)")
     names = ", ".join(settings_names(folder)) or "none"
     raise error(f"{kind}={ref} not found; available {plural or kind + 's'} in {folder}: {names} "
                 "(or give a path to a .yaml file)")

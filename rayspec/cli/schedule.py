@@ -15,6 +15,7 @@ from rayspec.core.methods import METHODS, VARIANTS
 from rayspec.core.orders import BUBBLES, bubble_formula
 from rayspec.core.schedule import EQUAL_FIW, SCHEDULES, Schedule, ScheduleError, build_schedule
 from rayspec.core.schedule_text import load_schedule, to_csv
+from rayspec.errors import RayspecError, unknown
 
 __all__ = ["describe", "parse_args", "main"]
 
@@ -48,15 +49,16 @@ def parse_args(argv: Iterable[str]) -> SimpleNamespace:
     """The ``key=value`` arguments (Hydra's override grammar, as every rayspec command reads them) over ``DEFAULTS``.
 
     Raises:
-        ScheduleError: an unknown key, or a value of the wrong type or not among the choices.
+        ScheduleError: an unknown key, or a value of the wrong type.
+        ConfigError: a name not among the choices (schedule, method, variant).
     """
-    options, unknown = parse_overrides(list(argv), tuple(DEFAULTS), ("read",), _usage(), ScheduleError)
-    check_keys(dict.fromkeys(override_key(o) for o in unknown), tuple(DEFAULTS), "rayspec.schedule", ScheduleError)
+    options, rest = parse_overrides(list(argv), tuple(DEFAULTS), ("read",), _usage(), ScheduleError)
+    check_keys(dict.fromkeys(override_key(o) for o in rest), tuple(DEFAULTS), "rayspec.schedule", ScheduleError)
     args = SimpleNamespace(**{**DEFAULTS, **options})
     for key, choices in (("schedule", SCHEDULES), ("method", _pipelined()), ("variant", VARIANTS)):
         value = getattr(args, key)
         if value is not None and value not in choices:
-            raise ScheduleError(f"{key}={value} is unknown; choose from {', '.join(choices)}")
+            raise unknown(key, value, choices)
     for key in ("stages", "microbatches", "group", "virtual"):
         value = getattr(args, key)
         if (value is not None or key != "group") and (not isinstance(value, int) or isinstance(value, bool)):
@@ -84,7 +86,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         schedule = _schedule(args)
-    except (ScheduleError, OSError) as err:
+    except (RayspecError, OSError) as err:  # ScheduleError, ConfigError (an unknown name)
         print(f"error: {err}", file=sys.stderr)
         return 2
     method = args.method if not args.read else "vanilla"  # a file's schedule: no staleness to predict

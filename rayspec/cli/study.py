@@ -23,8 +23,9 @@ methods run a little less stale around evaluations than an undisturbed run would
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from rayspec.cli.common import split_args
@@ -52,27 +53,29 @@ from rayspec.cli.study_run import (
     report_study,
     train_run,
 )
-from rayspec.errors import RayspecError
+from rayspec.errors import RayspecError, unknown
+from rayspec.training.console import ensure_console
 from rayspec.training.progress import duration
 
 __all__ = ["STUDIES", "METHOD_LABELS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
            "load_study", "plan_runs", "run_name", "run_study", "train_run", "relative_distance", "main"]
 
+log = logging.getLogger(__name__)
 
-def run_study(study: Study, resume: bool = True, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train (or resume) every run of ``study``, then write and print the report.
+
+def run_study(study: Study, resume: bool = True) -> dict[str, Any]:
+    """Train (or resume) every run of ``study``, then write and log the report (INFO lines of ``rayspec.cli.*``).
 
     Args:
         study: from ``load_study``.
         resume: skip runs whose ``run.json`` in the output directory shows them finished with the same
             overrides; ``False`` moves an earlier output directory aside and starts afresh.
-        echo: prints one console line.
 
     Returns:
         The contents of ``study_results.json``.
     """
     directory = study.directory
-    runs = open_study(study, resume, echo)
+    runs = open_study(study, resume)
     records: dict[str, dict[str, Any]] = {}
     trajectories: dict[str, dict[int, dict[str, Any]] | None] = {}
     trained_s, trained = 0.0, 0
@@ -81,18 +84,19 @@ def run_study(study: Study, resume: bool = True, echo: Callable[[str], None] = p
         record = finished_record(spec, run_dir) if resume else None
         head = f"[{i}/{len(runs)}] {spec.label} N={spec.stages} seed {spec.seed}:"
         if record is not None:
-            echo(f"{head} {outcome(record)} (finished earlier, skipped)")
+            log.info("%s %s (finished earlier, skipped)", head, outcome(record))
         else:
             reference = trajectories.get(spec.reference) if spec.reference else None
             record = train_run(study, spec, run_dir, reference)
             trained_s, trained = trained_s + record["seconds"], trained + 1
             left = sum(1 for s in runs[i:] if not resume or finished_record(s, directory / "runs" / s.name) is None)
             error = f" ({record['error']})" if record["status"] != "ok" else ""
-            echo(f"{head} {outcome(record)}{error} in {record['seconds']:.1f} s; eta {duration(trained_s / trained * left)}")
+            log.info("%s %s%s in %.1f s; eta %s", head, outcome(record), error, record["seconds"],
+                     duration(trained_s / trained * left))
         records[spec.name] = record
         if spec.reference is None:
             trajectories[spec.name] = load_trajectory(run_dir, record)
-    return report_study(study, runs, records, trained, echo)
+    return report_study(study, runs, records, trained)
 
 
 # --------------------------------------------------------------------------- command line
@@ -113,8 +117,8 @@ def runner_options(options: dict[str, Any]) -> tuple[str, int | None]:
     command's options, checked."""
     runner = options.pop("runner", "sequential")
     if runner not in RUNNERS:
-        raise StudyError(f"runner={runner!r} is unknown; use sequential (one run after another here) or tune "
-                         "(Ray Tune trials, side by side and across a cluster)")
+        raise unknown("runner", runner, RUNNERS, " (sequential: one run after another here; tune: Ray Tune trials, "
+                      "side by side and across a cluster)")
     given = "max_concurrent_trials" in options
     limit = options.pop("max_concurrent_trials", 1)
     if given and runner != "tune":
@@ -136,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resume = options.pop("resume")
         runner, limit = runner_options(options)
         study = load_study(ref, overrides, **options)
+        ensure_console()  # the study's lines on stdout, unless this program set up logging
         if runner == "tune":
             from rayspec.cli.study_tune import tune_study  # Ray only for a study on Ray Tune
 

@@ -7,7 +7,6 @@ See ``rayspec.cli.study`` for what a study trains and the notes on its baseline.
 from __future__ import annotations
 
 import copy
-import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -20,7 +19,7 @@ from rayspec.cli.common import EXPERIMENTS, check_keys, find_settings, read_sett
 from rayspec.config import Config, from_mapping
 from rayspec.config.compose import compose, merge_overrides, override_key
 from rayspec.core.methods import METHODS
-from rayspec.errors import ConfigError, RayspecError
+from rayspec.errors import ConfigError, RayspecError, unknown
 from rayspec.training.prepare import prepare
 
 __all__ = ["STUDIES", "METHOD_LABELS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
@@ -146,7 +145,8 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
             ``executor``).
 
     Raises:
-        StudyError: the file, a key, a method or a composed training config is invalid.
+        StudyError: the file, a key, a value or a composed training config is invalid.
+        ConfigError: an unknown name: of the study or a method label (``rayspec.errors.unknown``).
     """
     path = find_study(ref)
     raw = read_settings(path, StudyError, "study settings (overrides, methods, stages, seeds, ...)")
@@ -190,9 +190,7 @@ def _check(study: Study) -> None:
     where = study.name
     for label in study.methods:
         if label not in METHOD_LABELS:
-            close = difflib.get_close_matches(label, METHOD_LABELS, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
-            raise StudyError(f"{where}: method {label!r} is unknown; {hint}choose from {', '.join(METHOD_LABELS)}")
+            raise unknown("method", label, METHOD_LABELS, f" in study {where}")
     if study.threads is not None and (not isinstance(study.threads, int) or study.threads < 1):
         raise StudyError(f"{where}: threads={study.threads!r} must be an integer >= 1 (or null for torch's default)")
     if any(n < 1 for n in study.stages) or any(s < 0 for s in study.seeds):

@@ -12,7 +12,7 @@ import math
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ from rayspec.training.progress import duration
 
 __all__ = ["relative_distance", "read_record", "finished_record", "train_run", "failed_record", "prediction_figures",
            "load_trajectory", "outcome", "open_study", "report_study"]
+
+log = logging.getLogger(__name__)
 
 
 def _float_state(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -192,33 +194,34 @@ def outcome(record: dict[str, Any]) -> str:
     return f"val_accuracy {acc:.4f}" if record["status"] == "ok" and acc is not None else record["status"].upper()
 
 
-def open_study(study: Study, resume: bool, echo: Callable[[str], None]) -> list[RunSpec]:
-    """Make the study's output directory (``resume=False`` moves an earlier one aside), print what the study
+def open_study(study: Study, resume: bool) -> list[RunSpec]:
+    """Make the study's output directory (``resume=False`` moves an earlier one aside), log what the study
     trains and return its runs in order (``plan_runs``)."""
     directory = study.directory
     if not resume and directory.exists() and any(directory.iterdir()):
         aside = directory.with_name(f"{directory.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         directory.rename(aside)
-        echo(f"rayspec.study: moved the earlier study to {aside}")
+        log.info("rayspec.study: moved the earlier study to %s", aside)
     (directory / "runs").mkdir(parents=True, exist_ok=True)
     runs = plan_runs(study)
     baseline = ("vanilla once per seed and stage count (the model has dropout: per-stage random streams)"
                 if study.per_stage_baseline else "vanilla once per seed on one stage (bit-exactly sequential training at "
                 "any stage count)")
-    echo(f"rayspec.study: {study.name}: {len(runs)} runs ({', '.join(study.methods)} at {study.stages} stages, "
-         f"seeds {study.seeds}; baseline: {baseline}) in {directory}")
+    log.info("rayspec.study: %s: %d runs (%s at %s stages, seeds %s; baseline: %s) in %s", study.name, len(runs),
+             ", ".join(study.methods), study.stages, study.seeds, baseline, directory)
     return runs
 
 
-def report_study(study: Study, runs: Sequence[RunSpec], records: Mapping[str, dict[str, Any]], trained: int,
-                 echo: Callable[[str], None]) -> dict[str, Any]:
-    """Write and print the report of ``records`` (``study.md``, ``study_results.json``, plots); return the JSON's
+def report_study(study: Study, runs: Sequence[RunSpec], records: Mapping[str, dict[str, Any]],
+                 trained: int) -> dict[str, Any]:
+    """Write and log the report of ``records`` (``study.md``, ``study_results.json``, plots); return the JSON's
     contents."""
     directory = study.directory
     payload = write_report(study, runs, records, directory)
-    echo("")
-    echo(payload["markdown"])
+    log.info("")
+    log.info("%s", payload["markdown"])
     total = sum(r["seconds"] for r in records.values())
-    echo(f"rayspec.study: {len(runs)} runs, {duration(total)} of training in all ({trained} trained now); wrote "
-         f"{directory / 'study.md'}, study_results.json, learning_curves.png, distance.png, prediction.png (SpecTrain methods)")
+    log.info("rayspec.study: %d runs, %s of training in all (%d trained now); wrote %s, study_results.json, "
+             "learning_curves.png, distance.png, prediction.png (SpecTrain methods)", len(runs), duration(total), trained,
+             directory / "study.md")
     return payload

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ from rayspec.cli.study_run import (
 from rayspec.cli.tune import trial_bundles
 
 __all__ = ["PHASES", "tune_study"]
+
+log = logging.getLogger(__name__)
 
 PHASES = ("baselines", "methods")
 """The Tune experiments of a study, in order, under ``<output_dir>/tune/`` (see the module's note)."""
@@ -109,7 +112,7 @@ def _dirname(trial: Any) -> str:
 
 
 def _tuner(study: Study, phase: str, space: dict[str, Any], specs: Sequence[RunSpec], max_concurrent_trials: int | None,
-           resume: bool, echo: Callable[[str], None], callbacks: Sequence[Any]) -> tuple[Any, bool]:
+           resume: bool, callbacks: Sequence[Any]) -> tuple[Any, bool]:
     """The phase's Tuner, and whether it restores an earlier experiment (see the module's note)."""
     from ray import tune
 
@@ -120,12 +123,12 @@ def _tuner(study: Study, phase: str, space: dict[str, Any], specs: Sequence[RunS
     trainable = tune.with_resources(tune.with_parameters(_trial, setup=setup), resources=_Resources(study))
     saved = json.loads(state_file.read_text()) if state_file.exists() else None
     if resume and saved == state and tune.Tuner.can_restore(path):
-        echo(f"rayspec.study: resuming the {phase} trials from {path}")
+        log.info("rayspec.study: resuming the %s trials from %s", phase, path)
         return tune.Tuner.restore(str(path), trainable, resume_errored=True), True
     if path.exists():  # a new experiment; runs finished earlier are skipped by their trials
         aside = path.with_name(f"{phase}-{time.strftime('%Y%m%d-%H%M%S')}")
         path.rename(aside)
-        echo(f"rayspec.study: moved the earlier {phase} trials to {aside}; starting new ones")
+        log.info("rayspec.study: moved the earlier %s trials to %s; starting new ones", phase, aside)
     root.mkdir(parents=True, exist_ok=True)
     state_file.write_text(json.dumps(state))
     config = tune.TuneConfig(num_samples=1, max_concurrent_trials=max_concurrent_trials, trial_name_creator=_dirname,
@@ -134,16 +137,15 @@ def _tuner(study: Study, phase: str, space: dict[str, Any], specs: Sequence[RunS
     return tune.Tuner(trainable, param_space=space, tune_config=config, run_config=run), False
 
 
-def tune_study(study: Study, resume: bool = True, echo: Callable[[str], None] = print,
-               max_concurrent_trials: int | None = 1, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    """Train (or resume) every run of ``study`` as Ray Tune trials, baselines first; then write and print the
+def tune_study(study: Study, resume: bool = True, max_concurrent_trials: int | None = 1,
+               callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Train (or resume) every run of ``study`` as Ray Tune trials, baselines first; then write and log the
     report (the sequential runner's, from the same records).
 
     Args:
         study: from ``load_study``; its ``output_dir`` must be on storage every node of the cluster mounts.
         resume: restore the study's Tune experiments and skip finished runs; ``False`` moves an earlier output
             directory aside and starts afresh.
-        echo: prints one console line.
         max_concurrent_trials: trials at once, at most (None: as many as the cluster's resources hold).
         callbacks: ``ray.tune.Callback`` objects for both phases' new experiments (a restored one keeps its own).
 
@@ -155,7 +157,7 @@ def tune_study(study: Study, resume: bool = True, echo: Callable[[str], None] = 
     from rayspec.exec.ray.connect import ensure_ray
 
     study = dataclasses.replace(study, output_dir=str(study.directory))  # the same folder from every node
-    runs = open_study(study, resume, echo)
+    runs = open_study(study, resume)
     ensure_ray(run_config(study, runs[0]).ray)
     grid = tune.grid_search
     spaces: dict[str, dict[str, Any]] = {"baselines": {"label": BASELINE, "stages": grid(baseline_stages(study)), "seed": grid(study.seeds)},
@@ -165,14 +167,14 @@ def tune_study(study: Study, resume: bool = True, echo: Callable[[str], None] = 
     errors: dict[str, str] = {}
     for phase in PHASES:
         specs = [spec for spec in runs if (spec.label == BASELINE) == (phase == "baselines")]
-        echo(f"rayspec.study: {phase}: {len(specs)} Ray Tune trial{'s' * (len(specs) != 1)}, at most "
-             f"{max_concurrent_trials or 'as many as the cluster holds'} at once")
-        tuner, restored = _tuner(study, phase, spaces[phase], specs, max_concurrent_trials, resume, echo, callbacks)
+        log.info("rayspec.study: %s: %d Ray Tune trial%s, at most %s at once", phase, len(specs),
+                 "s" * (len(specs) != 1), max_concurrent_trials or "as many as the cluster holds")
+        tuner, restored = _tuner(study, phase, spaces[phase], specs, max_concurrent_trials, resume, callbacks)
         results = _fit(tuner, phase, len(specs))
         if restored and any(finished_record(spec, runs_dir / spec.name) is None for spec in specs):
             # a run that failed, or whose folder was removed since, in a trial that Tune counts as done
-            echo(f"rayspec.study: the restored {phase} trials left runs unfinished; training them anew")
-            results = _fit(_tuner(study, phase, spaces[phase], specs, max_concurrent_trials, False, echo, callbacks)[0],
+            log.info("rayspec.study: the restored %s trials left runs unfinished; training them anew", phase)
+            results = _fit(_tuner(study, phase, spaces[phase], specs, max_concurrent_trials, False, callbacks)[0],
                            phase, len(specs))
         for result in results:
             name = _spec(study, result.config).name
@@ -182,10 +184,10 @@ def tune_study(study: Study, resume: bool = True, echo: Callable[[str], None] = 
             record = read_record(runs_dir / spec.name)
             state = "no run.json" if record is None else outcome(record)
             when = " (finished earlier, skipped)" if spec.name in earlier else ""
-            echo(f"  {spec.label} N={spec.stages} seed {spec.seed}: {errors.get(spec.name, state)}{when}")
+            log.info("  %s N=%d seed %d: %s%s", spec.label, spec.stages, spec.seed, errors.get(spec.name, state), when)
     records = {spec.name: _record(runs_dir, spec)
                or failed_record(study, spec, errors.get(spec.name, "the trial left no run.json")) for spec in runs}
-    return report_study(study, runs, records, len(runs) - len(earlier), echo)
+    return report_study(study, runs, records, len(runs) - len(earlier))
 
 
 def _fit(tuner: Any, phase: str, trials: int) -> Any:

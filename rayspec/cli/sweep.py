@@ -17,7 +17,7 @@ from typing import Any
 from rayspec.cli.common import EXPERIMENTS, check_keys, find_settings, read_settings, settings_names
 from rayspec.config import Config, from_mapping
 from rayspec.config.compose import compose, merge_overrides, override_value
-from rayspec.errors import ConfigError, RayspecError
+from rayspec.errors import ConfigError, RayspecError, unknown
 
 __all__ = ["SWEEPS", "METRICS", "Sweep", "SweepError", "available", "load_sweep", "trial_overrides", "loggers"]
 
@@ -25,6 +25,8 @@ SWEEPS = EXPERIMENTS / "sweeps"
 """The sweep files shipped inside the package."""
 DOMAINS = ("grid", "choice", "loguniform", "uniform", "randint")
 SEARCH_ALGS = ("random", "grid", "optuna")
+SCHEDULERS = ("fifo", "asha")
+MODES = ("max", "min")
 METRICS = ("val_accuracy", "val_loss", "loss", "samples_per_s")
 FILE_KEYS = ("name", "overrides", "search_space", "metric", "mode", "num_samples", "scheduler",
              "search_alg", "max_concurrent_trials", "storage_path", "driver_cpus")
@@ -82,7 +84,9 @@ def load_sweep(ref: str, overrides: Sequence[str] = (), **options: Any) -> Sweep
         **options: sweep settings that win over the file's (``storage_path``, ``num_samples``, ...).
 
     Raises:
-        SweepError: the file, a key, a domain or a composed training config is invalid.
+        SweepError: the file, a key, a value or a composed training config is invalid.
+        ConfigError: an unknown name: of the sweep, a domain, the scheduler, the search algorithm, the metric or
+            the mode (``rayspec.errors.unknown``).
     """
     path = find_sweep(ref)
     raw = read_settings(path, SweepError, "sweep settings (overrides, search_space, ...)")
@@ -116,7 +120,7 @@ def _domain(where: str, key: str, spec: Any) -> tuple[str, list[Any]]:
                          f"got {spec!r}; domains: {', '.join(DOMAINS)}")
     kind, args = next(iter(spec.items()))
     if kind not in DOMAINS:
-        raise SweepError(f"{where}: search_space.{key} has unknown domain {kind!r}; use one of {', '.join(DOMAINS)}")
+        raise unknown("domain", kind, DOMAINS, f" for search_space.{key} in sweep {where}")
     if not isinstance(args, list) or not args:
         raise SweepError(f"{where}: search_space.{key}: {kind} needs a non-empty list, e.g. {{{kind}: [1, 2]}}")
     if kind in ("grid", "choice"):
@@ -142,11 +146,13 @@ def _scalar(value: Any) -> Any:
 def _scheduler(where: str, spec: Any) -> dict[str, Any]:
     spec = {"name": spec} if isinstance(spec, str) else dict(spec or {})
     name = spec.get("name")
-    if name == "fifo" and len(spec) == 1:
+    if name not in SCHEDULERS:
+        raise unknown("scheduler", name, SCHEDULERS,
+                      f" in sweep {where} (asha as {{name: asha, max_t: 8, grace_period: 2, reduction_factor: 2}})")
+    if name == "fifo":
+        if len(spec) > 1:
+            raise SweepError(f"{where}: scheduler fifo takes no settings; got {spec}")
         return spec
-    if name != "asha":
-        raise SweepError(f"{where}: scheduler {name!r} is unknown; use fifo or "
-                         "{name: asha, max_t: 8, grace_period: 2, reduction_factor: 2}")
     check_keys(spec, ASHA_KEYS, f"{where}: scheduler", SweepError)
     asha = {"name": "asha", "max_t": 8, "grace_period": 1, "reduction_factor": 2, **spec}
     if not all(isinstance(asha[k], int) and asha[k] >= 1 for k in ("max_t", "grace_period")):
@@ -161,9 +167,9 @@ def _check_settings(sweep: Sweep) -> None:
     if not re.fullmatch(r"[\w.\-]+", sweep.name):
         raise SweepError(f"name={sweep.name!r} must be a plain directory name (letters, digits, _ . -)")
     if sweep.metric not in METRICS:
-        raise SweepError(f"{where}: metric={sweep.metric!r} is not reported; use one of {', '.join(METRICS)}")
-    if sweep.mode not in ("max", "min"):
-        raise SweepError(f"{where}: mode={sweep.mode!r} must be max or min")
+        raise unknown("metric", sweep.metric, METRICS, f" in sweep {where} (trials report only these)")
+    if sweep.mode not in MODES:
+        raise unknown("mode", sweep.mode, MODES, f" in sweep {where}")
     for key in ("num_samples", "max_concurrent_trials"):
         v = getattr(sweep, key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -171,7 +177,7 @@ def _check_settings(sweep: Sweep) -> None:
     if sweep.driver_cpus is not None and (not isinstance(sweep.driver_cpus, (int, float)) or sweep.driver_cpus <= 0):
         raise SweepError(f"{where}: driver_cpus={sweep.driver_cpus!r} must be a positive number")
     if sweep.search_alg not in SEARCH_ALGS:
-        raise SweepError(f"{where}: search_alg={sweep.search_alg!r} is unknown; use one of {', '.join(SEARCH_ALGS)}")
+        raise unknown("search_alg", sweep.search_alg, SEARCH_ALGS, f" in sweep {where}")
     kinds = {k: kind for k, (kind, _) in sweep.search_space.items()}
     if sweep.search_alg == "grid":
         ranged = [k for k, kind in kinds.items() if kind not in ("grid", "choice")]

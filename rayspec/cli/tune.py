@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from rayspec.errors import ConfigError, RayspecError
 
 __all__ = ["run_sweep", "trial", "trial_bundles", "param_space", "write_results", "best_row", "report_lines", "parse_args",
            "main"]
+
+log = logging.getLogger(__name__)
 
 CLI_KEYS = ("sweep", "storage_path", "resume", "num_samples", "max_concurrent_trials")
 STATE = "rayspec_sweep.json"
@@ -211,7 +214,7 @@ def _start_ray(sweep: Sweep) -> None:
     ensure_ray(from_mapping(compose(sweep.overrides)).ray)
 
 
-def _tuner(sweep: Sweep, resume: bool, echo: Callable[[str], None]) -> Any:
+def _tuner(sweep: Sweep, resume: bool) -> Any:
     from ray import tune
 
     setup = _Setup(sweep.name, sweep.overrides, sweep.driver_cpus, str(sweep.directory), os.getcwd())
@@ -224,38 +227,38 @@ def _tuner(sweep: Sweep, resume: bool, echo: Callable[[str], None]) -> Any:
             differs = ", ".join(k for k in saved if saved.get(k) != _state(sweep).get(k))
             raise SweepError(f"{exp_dir} holds sweep {sweep.name} with other settings ({differs}); "
                              "pass resume=false to start afresh (the earlier run is moved aside)")
-        echo(f"rayspec.tune: resuming sweep {sweep.name} from {exp_dir}")
+        log.info("rayspec.tune: resuming sweep %s from %s", sweep.name, exp_dir)
         return tune.Tuner.restore(str(exp_dir), trainable, resume_errored=True)
     if exp_dir.exists() and any(exp_dir.iterdir()):
         aside = exp_dir.with_name(f"{exp_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         exp_dir.rename(aside)
-        echo(f"rayspec.tune: moved the earlier sweep to {aside}")
+        log.info("rayspec.tune: moved the earlier sweep to %s", aside)
     exp_dir.mkdir(parents=True, exist_ok=True)
     state_file.write_text(json.dumps(_state(sweep), indent=2))
-    echo(f"rayspec.tune: starting sweep {sweep.name} in {exp_dir}")
+    log.info("rayspec.tune: starting sweep %s in %s", sweep.name, exp_dir)
     run_config = tune.RunConfig(name=sweep.name, storage_path=str(exp_dir.parent))
     return tune.Tuner(trainable, param_space=param_space(sweep), tune_config=_tune_config(sweep), run_config=run_config)
 
 
-def run_sweep(sweep: Sweep, resume: bool = True, echo: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run (or resume) a sweep with Ray Tune; print the trial table and the best config; write ``sweep_results.csv``.
+def run_sweep(sweep: Sweep, resume: bool = True) -> list[dict[str, Any]]:
+    """Run (or resume) a sweep with Ray Tune; log the trial table and the best config (INFO, ``rayspec.cli.tune``);
+    write ``sweep_results.csv``.
 
     Args:
         sweep: from ``load_sweep``.
         resume: continue the sweep in ``sweep.directory`` if Tune can restore it; else start afresh.
-        echo: prints one console line.
 
     Returns:
         One row per trial: ``trial_id``, the swept values, the last reported metrics and ``status``.
     """
     _start_ray(sweep)
-    tuner = _tuner(sweep, resume, echo)
+    tuner = _tuner(sweep, resume)
     results = tuner.fit()
     rows = sorted((_row(sweep, r) for r in results), key=lambda r: r["trial_id"])
     write_results(rows, sweep.directory / RESULTS)
     for line in report_lines(sweep, rows):
-        echo(line)
-    echo(f"rayspec.tune: wrote {sweep.directory / RESULTS}")
+        log.info("%s", line)
+    log.info("rayspec.tune: wrote %s", sweep.directory / RESULTS)
     return rows
 
 
@@ -323,6 +326,14 @@ def parse_args(argv: Sequence[str]) -> tuple[str, dict[str, Any], list[str]]:
     return split_args(argv, "sweep", CLI_KEYS, ("storage_path",), available(), USAGE, SweepError)
 
 
+def _console() -> None:
+    """The sweep's lines on stdout unless this program set up logging (imported here: bad input is reported before
+    the training modules load)."""
+    from rayspec.training.console import ensure_console
+
+    ensure_console()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``python -m rayspec.tune``; returns the exit code (2: bad input, 1: a trial failed)."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -333,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ref, options, overrides = parse_args(args)
         resume = options.pop("resume")
         sweep = load_sweep(ref, overrides, **options)
+        _console()
         rows = run_sweep(sweep, resume=resume)
     except RayspecError as err:  # SweepError and every other bad input
         print(f"error: {err}", file=sys.stderr)

@@ -27,7 +27,7 @@ from enum import Enum
 
 from rayspec.core.methods import VARIANTS, method
 from rayspec.core.orders import Step, order
-from rayspec.errors import RayspecError
+from rayspec.errors import RayspecError, unknown
 
 __all__ = ["ActionKind", "Action", "Schedule", "ScheduleError", "build_schedule", "SCHEDULES", "FLUSHED",
            "EQUAL_FIW"]
@@ -301,7 +301,7 @@ class Schedule:
         A synchronous schedule (``vanilla``, ``gpipe``) has no staleness, so ``s = 0`` for both.
         """
         if variant not in VARIANTS:
-            raise ScheduleError(f"variant={variant!r} is unknown; choose one of {', '.join(VARIANTS)}")
+            raise unknown("variant", variant, VARIANTS)
         held = self.versions()
         if self.is_synchronous():
             return {key: 0 for key in held}
@@ -376,10 +376,11 @@ def build_schedule(name: str, stages: int, microbatches: int, *, group: int | No
         virtual: model chunks per rank (``interleaved`` only).
 
     Raises:
-        ScheduleError: on an unknown name or impossible sizes.
+        ConfigError: on an unknown name.
+        ScheduleError: on impossible sizes.
     """
     if name not in SCHEDULES:
-        raise ScheduleError(f"schedule={name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+        raise unknown("schedule", name, SCHEDULES)
     if not isinstance(stages, int) or stages < 1:
         raise ScheduleError(f"stages={stages!r} must be an integer >= 1")
     if not isinstance(microbatches, int) or microbatches < 1:

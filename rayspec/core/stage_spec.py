@@ -16,6 +16,7 @@ from rayspec.core.methods import BACKWARDS, POLICIES
 from rayspec.core.optim import OptimSpec
 from rayspec.core.precision import PRECISIONS
 from rayspec.core.predict import PREDICTORS
+from rayspec.errors import unknown
 
 __all__ = ["StageSpec", "CLIP_SCOPES"]
 
@@ -65,7 +66,7 @@ class StageSpec:
                                    ("predictor", self.predictor, PREDICTORS), ("precision", self.precision, PRECISIONS),
                                    ("clip_scope", self.clip_scope, CLIP_SCOPES)):
             if value not in known:
-                raise ValueError(f"{name}={value!r} is unknown; choose one of {', '.join(known)}")
+                raise unknown(name, value, known)
 
     @property
     def schedule(self) -> LRSchedule:

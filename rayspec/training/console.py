@@ -41,9 +41,12 @@ def ensure_console() -> None:
 @contextmanager
 def relayed_to(handler: logging.Handler, level: int = logging.INFO) -> Iterator[None]:
     """Send the ``rayspec`` loggers' records from ``level`` up to ``handler`` alone while the block runs (a
-    driver actor's event stream, a study's per-run log file); the logger's setup is restored after it."""
+    driver actor's event stream, a study's per-run log file): not to the logger's own handlers (``ensure_console``'s)
+    nor above it; the logger's setup is restored after it."""
     logger = logging.getLogger(ROOT)
-    kept = logger.level, logger.propagate
+    kept_level, kept_propagate, kept_handlers = logger.level, logger.propagate, list(logger.handlers)
+    for other in kept_handlers:
+        logger.removeHandler(other)
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
@@ -51,4 +54,7 @@ def relayed_to(handler: logging.Handler, level: int = logging.INFO) -> Iterator[
         yield
     finally:
         logger.removeHandler(handler)
-        logger.level, logger.propagate = kept
+        for other in kept_handlers:
+            logger.addHandler(other)
+        logger.setLevel(kept_level)  # not `logger.level = `: setLevel clears the loggers' cached levels
+        logger.propagate = kept_propagate
