@@ -31,6 +31,7 @@ from benchmarks._shared.results import results_dir
 from rayspec.cli.common import read_settings
 from rayspec.cli.study import load_study, run_study
 from rayspec.cli.study_config import STUDIES
+from rayspec.training.console import ensure_console
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("lstm_text", "transformer_text", "vgg16_image", "snn_image")
@@ -67,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--only", default=None, help="comma-separated report labels (default: every one)")
     ap.add_argument("--quick", action="store_true", help="one small study run in a scratch folder (a smoke test)")
     args = ap.parse_args(argv)
+    ensure_console()  # the studies' progress lines, as rayspec study prints them
     table = runs(REAL if args.real else NAMES)
     args.only = args.only or (next(iter(table)) if args.quick else ",".join(table))
     outputs = results_dir(True) / "study_runs" if args.quick else ROOT / "outputs" / "studies"
