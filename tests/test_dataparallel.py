@@ -153,6 +153,7 @@ def test_four_workers_equal_sgd_on_the_global_batch(tmp_path, ray_session):
     assert [r["lr"] for r in steps] == pytest.approx([lr(3), lr(7), lr(11)])  # the schedule per update
 
 
+@pytest.mark.slow  # Ray Train workers
 def test_a_worker_failure_is_a_clear_error_on_the_driver(tmp_path, ray_session):
     """A diverging run fails on the workers; the driver raises the pipeline's FloatingPointError, no hang."""
     ended = []

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # eight trainings in a subprocess
 def test_compare_methods_runs():
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "compare_methods.py"), "--steps", "20"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)

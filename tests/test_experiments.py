@@ -64,7 +64,7 @@ def data_root(tmp_path_factory):
     return root
 
 
-FAST = {"quickstart", "lstm_imdb"}  # the rest (bigger tiny models) run with the slow tests
+FAST = {"quickstart"}  # the rest (bigger tiny models) run with the slow tests
 
 
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in EXPERIMENTS])
@@ -89,6 +89,7 @@ def test_experiment_without_data_on_disk_is_a_clear_error(tmp_path):
     assert "aclImdb" in res.stderr and "error:" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.slow  # a Ray run with W&B's writer process
 def test_wandb_offline_run_holds_the_loss(tmp_path, monkeypatch, ray_session):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

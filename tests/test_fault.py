@@ -28,7 +28,8 @@ def settings(executor: str = "ray", max_restarts: int = 2, transport: str = "aut
     }
 
 
-@pytest.mark.parametrize("transport", ["object_store", pytest.param("compiled", marks=pytest.mark.slow), "p2p"])
+@pytest.mark.parametrize("transport", [pytest.param("object_store", marks=pytest.mark.slow),
+                                       pytest.param("compiled", marks=pytest.mark.slow), "p2p"])
 def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_session, transport, caplog):
     killer = KillActor(at=12)
     caplog.set_level(logging.INFO, logger="rayspec")
@@ -51,6 +52,7 @@ def test_killed_stage_actor_is_restarted_from_the_last_checkpoint(tmp_path, ray_
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # a Ray run killed and restarted: tens of seconds
 def test_without_restarts_a_dead_stage_stops_the_run_and_names_the_checkpoint(tmp_path, ray_session):
     with pytest.raises(RunFailed) as info:
         run_training(from_mapping(settings(max_restarts=0)), tmp_path, callbacks=[KillActor(at=7)])
@@ -74,6 +76,7 @@ def _no_actors_left(timeout_s: float = 20.0) -> bool:
     return True
 
 
+@pytest.mark.slow  # a Ray run killed and restarted: tens of seconds
 def test_killed_driver_actor_is_replaced_and_the_run_resumes_from_the_last_checkpoint(tmp_path, ray_session, caplog):
     """The run loop's actor is SIGKILLed: its stage actors go with it, a new driver actor resumes from the
     newest checkpoint, and the run ends with the weights of an uninterrupted run."""
@@ -108,6 +111,7 @@ def test_without_restarts_a_dead_driver_actor_stops_the_run_and_names_the_checkp
     assert _no_actors_left()
 
 
+@pytest.mark.slow  # a Ray run killed and restarted: tens of seconds
 def test_a_callback_error_stops_the_driver_actor_and_its_stages(tmp_path, ray_session):
     class Stop:
         def on_metrics(self, record: dict) -> None:

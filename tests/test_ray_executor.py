@@ -15,7 +15,10 @@ N = 4
 UPDATES = 16
 
 
-@pytest.fixture(scope="module", params=["object_store", "gloo", "compiled", "p2p"])
+# The default run checks p2p (what pipeline.transport=auto picks on CPU); the other transports run in the slow set.
+@pytest.fixture(scope="module", params=[pytest.param("object_store", marks=pytest.mark.slow),
+                                        pytest.param("gloo", marks=pytest.mark.slow),
+                                        pytest.param("compiled", marks=pytest.mark.slow), "p2p"])
 def executor(request, ray_session, tiny):
     """One set of 4 stage actors per transport, reloaded with fresh stages for each method; p2p in chunks of 5
     micro-batches, so that 1F1B crosses from chunk to chunk."""

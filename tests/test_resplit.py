@@ -44,7 +44,8 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("method,executor,optimizer", [("gpipe", "local", "sgd"), ("vanilla", "local", "sgd"),
-                                                      ("gpipe", "ray", "sgd"), ("gpipe", "local", "adamw")])
+                                                      pytest.param("gpipe", "ray", "sgd", marks=pytest.mark.slow),
+                                                      ("gpipe", "local", "adamw")])
 def test_synchronous_run_resumed_on_2_stages_then_on_4_equals_the_uninterrupted_run(tmp_path, request, method,
                                                                                      executor, optimizer, caplog):
     """4 stages to update 4, 2 stages to update 8 (on ``executor``: the Ray run re-splits in its driver actor), 4

@@ -178,6 +178,7 @@ def test_every_shipped_study_loads(name):
     assert {m for m in DEFAULT_METHODS if m != "gpipe"} <= set(study.methods)  # the stale methods and SpecTrain
 
 
+@pytest.mark.slow  # a study's runs on Ray actors
 def test_a_study_on_the_ray_executor_gives_the_local_table(tmp_path, ray_session):
     """executor=ray trains every run through stage actors; accuracies, losses and weight distances equal local's."""
     path = write_study(tmp_path / "tiny.yaml", stages=[4])

@@ -52,7 +52,7 @@ def test_bubble_fraction_of_a_known_timeline():
     assert [e["ts"] for e in doc["traceEvents"] if e["ph"] == "X"] == pytest.approx([0, 5e5, 2e5, 4e5])
 
 
-@pytest.mark.parametrize("executor", ["local", "ray"])
+@pytest.mark.parametrize("executor", ["local", pytest.param("ray", marks=pytest.mark.slow)])
 def test_byte_counters_match_the_analytic_volume(executor, tmp_path, ray_session):
     """Per update each boundary moves one activation forward and one gradient of the same shape back."""
     cfg = compose_config(*BASE[:-1], f"pipeline.executor={executor}", "pipeline.method=async")
