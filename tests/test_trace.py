@@ -20,7 +20,7 @@ BASE = ["model.size=tiny", "data.train_size=512", "data.val_size=64", "train.max
         "train.log_every=3", "pipeline.cpus_per_stage=0.5", "+trace=true"]
 
 
-@pytest.mark.parametrize(("executor", "method"), [("local", "gpipe"), ("ray", "spectrain"),
+@pytest.mark.parametrize(("executor", "method"), [("local", "gpipe"), pytest.param("ray", "spectrain", marks=pytest.mark.slow),
                                                   pytest.param("ray", "pipedream", marks=pytest.mark.slow)])
 def test_trace_has_one_interval_per_action(executor, method, tmp_path, ray_session):
     cfg = compose_config(*BASE, f"pipeline.executor={executor}", f"pipeline.method={method}", "train.eval_every=3")

@@ -24,8 +24,10 @@ def _overrides(model):
             "train.max_steps=4", "train.batch_size=16", "train.log_every=2", "pipeline.cpus_per_stage=0.5"]
 
 
-# run with pytest -m slow; the default set keeps one text model on Ray (the quickstart MLP runs on Ray elsewhere)
-SLOW = {"vgg16", "resnet50", "resnet152", "densenet121", "googlenet", "inception_v4", "snn", "residual_lstm", "mlp"}
+# run with pytest -m slow; in the default set the Transformer runs on Ray in the tuple test below, the quickstart
+# MLP in tests/test_experiments.py
+SLOW = {"vgg16", "resnet50", "resnet152", "densenet121", "googlenet", "inception_v4", "snn", "residual_lstm", "mlp",
+        "transformer"}
 
 
 @pytest.mark.parametrize("model", [m if m not in SLOW else pytest.param(m, marks=pytest.mark.slow)
