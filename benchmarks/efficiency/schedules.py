@@ -34,7 +34,7 @@ from rayspec.core.schedule import build_schedule
 from rayspec.core.stage import make_stages
 from rayspec.core.stage_spec import StageSpec
 
-__all__ = ["TORCH_PEERS", "formula", "measure_rayspec", "measure_torch"]
+__all__ = ["TORCH_PEERS", "SplitSleepBlock", "formula", "measure_rayspec", "measure_torch"]
 
 TORCH_PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb1p": "ScheduleInterleavedZeroBubble"}
 """rayspec method -> the torch schedule of the same order."""
