@@ -9,17 +9,23 @@ into 2 stages by parameters; both sides start from the same weights, see the sam
 momentum, 1 torch thread per stage process and nothing else of theirs running.
 
 * torch: 2 processes (``torch.multiprocessing``, spawn), gloo, ``PipelineStage`` +
-  ``ScheduleGPipe`` or ``Schedule1F1B``, ``torch.optim.SGD``, one ``step`` + ``opt.step()`` per
-  batch. Both torch schedules are *flushed*: every batch fills and drains the pipeline and
-  applies one synchronous update.
+  ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleavedZeroBubble`` (one stage per rank),
+  ``torch.optim.SGD``, one ``step`` + ``opt.step()`` per batch. All torch schedules are *flushed*:
+  every batch fills and drains the pipeline and applies one synchronous update.
 * rayspec: ``RayExecutor`` with 2 stage actors (``cpus_per_stage=1``) after
   ``ray.init(num_cpus=2)``, on each of ``--transports`` (``p2p``, ``compiled``, ``object_store``, ``gloo``), one ``run`` over all timed
   batches (as the trainer runs a segment). Runners:
 
   - ``gpipe``: fill-drain, one update per batch: like-for-like with ``ScheduleGPipe``.
-  - ``1f1b-flushed``: rayspec's 1F1B actions per batch with ``group = M``, batches
-    concatenated (a ``Schedule`` built from ``build_schedule("1f1b", 2, M, group=M)``): exactly
-    torch's ``Schedule1F1B`` order and semantics, so the like-for-like comparison for it.
+  - ``1f1b``: ``pipeline.method=1f1b``, synchronous 1F1B flushed every batch
+    (``build_schedule("1f1b-flushed", 2, M * batches, group=M)``): exactly torch's ``Schedule1F1B``
+    order and semantics, so the like-for-like comparison for it. ``1f1b-flushed``, its former name,
+    still selects it.
+  - ``zb1p``: ``pipeline.method=zb1p``, ZB-H1 (the backward split into I and W, W deferred into the
+    drain's bubble), flushed every batch: torch's ``ScheduleInterleavedZeroBubble`` order with one
+    stage per rank; runs on the ``p2p`` transports only (the others refuse a split backward).
+  - ``interleaved``: a row with the Ray executor's refusal (2 model chunks per rank run on the local
+    executor only), never silently missing; torch's ``ScheduleInterleaved1F1B`` is its peer once it runs.
   - ``spectrain``: asynchronous 1F1B with weight prediction, one update per micro-batch
     (``M`` updates per batch) and no flush between batches: rayspec's method, not
     like-for-like (different optimisation, no bubble between batches, prediction work).
