@@ -238,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             r[f"{side}_bottleneck_busy_ms"] = max(m * sum(b[f"{k}{kind}"] for kind in "FBIW") for k in range(2))
             r[f"{side}_idle_ms"] = r[f"{side}_step_ms"] - r[f"{side}_bottleneck_busy_ms"]
     print("\nwhere the time goes, ms per batch of M micro-batches (ideal: the schedule's makespan from the compute "
-          "alone; eff = ideal / measured; busy: the slower stage's time inside its F and B; idle = batch - busy):")
+          "alone; eff = ideal / measured; busy: the slower stage's time inside its actions; idle = batch - busy):")
     print(table([{
         "runner": r["runner"], "transport": r["transport"], "ideal": f"{r['ideal_step_ms']:.0f}",
         "rayspec": f"{r['rayspec_step_ms']:.0f}", "eff": f"{r['ideal_step_ms'] / r['rayspec_step_ms']:.2f}",
