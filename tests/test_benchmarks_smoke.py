@@ -189,6 +189,15 @@ def test_torch_schedule_bubbles_on_split_sleep_stages():
         assert r["formula"] - 0.02 < r["bubble_median"] < 1.0, r
 
 
+@pytest.mark.slow
+def test_rayspec_schedule_bubble_on_split_sleep_stages(ray_session):
+    """rayspec's zb1p on the Ray executor with p2p over 2 split sleep stages: its traced actions give a bubble no
+    lower than the formula's and below 1."""
+    r = schedules.measure_rayspec("zb1p", 2, 4, 0.01, 0.01, 0.01, repeats=1)
+    assert r["side"] == "rayspec p2p" and r["formula"] == pytest.approx(1 / 12, abs=1e-4)
+    assert r["formula"] - 0.02 < r["bubble_median"] < 1.0 and r["median_s"] >= r["ideal_s"], r
+
+
 def test_split_sleep_block_sleeps_i_and_w_apart():
     import time
 
