@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks p
 from benchmarks.__main__ import main as benchmarks_main  # noqa: E402
 from benchmarks._shared import one_hop, peer_setup, results, torch_peer  # noqa: E402
 from benchmarks.efficiency import bench as efficiency  # noqa: E402
+from benchmarks.efficiency import schedules  # noqa: E402
 from benchmarks.memory import bench as memory  # noqa: E402
 from benchmarks.peer import bench as peer  # noqa: E402
 from benchmarks.studies import table as studies_table  # noqa: E402
@@ -134,11 +135,16 @@ def test_predicting_stages_consistent_variant():
 
 # ----------------------------------------------------------------------------- peer
 def test_flushed_1f1b_is_torch_schedule1f1b():
-    s = peer_setup.flushed_1f1b(2, 4, 3)
+    s = peer_setup.rayspec_schedule("1f1b", 4, 3)
     assert s.is_synchronous() and s.updates == 3 and s.group == 4
     first = [str(a) for a in s.actions[0][:8]]
     assert first == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]  # then the next batch, after the flush
     assert str(s.actions[0][8]) == "F4"
+    assert peer_setup.rayspec_schedule("1f1b-flushed", 4, 3) == s  # the former name of the runner
+    assert peer_setup.runner_method("1f1b-flushed") == "1f1b"
+    zb = peer_setup.rayspec_schedule("zb1p", 4, 3)
+    assert zb.is_synchronous() and zb.updates == 3 and zb.splits_backward
+    assert peer_setup.rayspec_schedule("interleaved", 4, 3).virtual == 2
     assert peer_setup.rayspec_schedule("gpipe", 4, 3).is_synchronous()
     assert not peer_setup.rayspec_schedule("spectrain", 4, 3).is_synchronous()
     grouped = peer_setup.rayspec_schedule("spectrain-grouped", 4, 3)  # one update per batch, no flush between batches
@@ -153,9 +159,12 @@ def test_microbatches_and_ideal():
     mbs = peer_setup.microbatches(batches, 1, 3, TINY.microbatches)
     assert len(mbs) == 3 * TINY.microbatches and mbs[0][0].shape == (4, 3, 32, 32)
     compute = peer_setup.profile_stages(parts, TINY, repeats=2)
-    assert set(compute) == {(0, "F"), (0, "B"), (1, "F"), (1, "B")} and all(v > 0 for v in compute.values())
+    assert set(compute) == {(k, kind) for k in (0, 1) for kind in "FBIW"}
+    assert all(v > 0 for key, v in compute.items() if key != (0, "I"))  # stage 0 needs no input gradient
     for runner in peer_setup.RAYSPEC_RUNNERS:
         assert peer_setup.ideal_step_s(runner, TINY.microbatches, compute) > 0
+    with pytest.raises(ValueError, match="interleaved"):
+        peer_setup.ideal_step_s("interleaved", TINY.microbatches, compute)
 
 
 def test_torch_sleep_pipeline_efficiency():
@@ -169,15 +178,54 @@ def test_torch_sleep_pipeline_efficiency():
         assert 0.3 < r["efficiency_median"] <= r["efficiency_best"] <= 1.0, r
 
 
+def test_torch_schedule_bubbles_on_split_sleep_stages():
+    """torch's 1F1B and ZB-H1 over 2 sleep stages whose backward splits into I and W: a row per schedule with its
+    formula; the measured bubble is no lower than the formula's (sleeps are lower bounds) and below 1."""
+    rows = schedules.measure_torch(["1f1b", "zb1p"], 2, [4], 0.01, 0.01, 0.01, repeats=1, timeout_s=120)
+    assert [(r["method"], r["torch"]) for r in rows] == [("1f1b", "Schedule1F1B"),
+                                                         ("zb1p", "ScheduleInterleavedZeroBubble")]
+    assert [r["formula"] for r in rows] == [pytest.approx(1 / 4), pytest.approx(1 / 12, abs=1e-4)]
+    for r in rows:
+        assert r["formula"] - 0.02 < r["bubble_median"] < 1.0, r
+
+
+@pytest.mark.slow
+def test_rayspec_schedule_bubble_on_split_sleep_stages(ray_session):
+    """rayspec's zb1p on the Ray executor with p2p over 2 split sleep stages: its traced actions give a bubble no
+    lower than the formula's and below 1."""
+    r = schedules.measure_rayspec("zb1p", 2, 4, 0.01, 0.01, 0.01, repeats=1)
+    assert r["side"] == "rayspec p2p" and r["formula"] == pytest.approx(1 / 12, abs=1e-4)
+    assert r["formula"] - 0.02 < r["bubble_median"] < 1.0 and r["median_s"] >= r["ideal_s"], r
+
+
+def test_split_sleep_block_sleeps_i_and_w_apart():
+    import time
+
+    import torch
+
+    block = schedules.SplitSleepBlock(0.0, 0.02, 0.06)
+    x = torch.randn(2, 4, requires_grad=True)
+    block(x).sum().backward()  # the first backward warms autograd up
+    took = {}
+    for name, inputs in (("I", [x]), ("W", list(block.parameters())), ("B", None)):
+        out = block(x)
+        t0 = time.perf_counter()
+        torch.autograd.backward([out], [torch.ones_like(out)], inputs=inputs)
+        took[name] = time.perf_counter() - t0
+    assert 0.02 <= took["I"] < 0.05 and 0.06 <= took["W"] < 0.09 and 0.08 <= took["B"] < 0.11, took
+
+
 def test_torch_peer_trains():
     """Both torch schedules give finite losses, a positive throughput, and restart bit-exactly after a reset."""
     parts, _ = peer_setup.build_parts(TINY)
     with torch_peer.TorchPeer(parts, TINY, timeout_s=120) as tp:
-        for name in peer_setup.TORCH_SCHEDULES:
+        for name in torch_peer.RUN_HERE:
             seconds, losses = tp.steps(name, 2)
             assert seconds > 0 and len(losses) == 2 and all(math.isfinite(v) for v in losses)
             assert TINY.batch * 2 / seconds > 0
-            assert tp.last_cpu_s["ranks"] >= 0 and all(v > 0 for v in tp.last_busy_s.values())
+            kinds = "FIW" if name == "zb1p" else "FB"  # zb1p: the backward split; stage 0 has no input gradient
+            assert tp.last_cpu_s["ranks"] >= 0
+            assert all(tp.last_busy_s[(r, kind)] > 0 for r in (0, 1) for kind in kinds if (r, kind) != (0, "I"))
             tp.reset(name)
             assert tp.steps(name, 2)[1] == losses
         assert tp.hop_s((4, 64), count=5) > 0
@@ -197,7 +245,8 @@ def test_rayspec_vs_torch_compare(ray_session):
     for row in (gp, sp):
         assert row["rayspec_samples_per_s"] > 0 and row["torch_samples_per_s"] > 0 and row["ratio"] > 0
         assert len(row["rayspec_losses"]) == len(row["torch_losses"]) == 3
-        assert all(v > 0 for v in row["rayspec_busy_ms"].values())
+        busy = row["rayspec_busy_ms"]  # per stage and kind; no split backward (I, W) in these runners
+        assert all(v > 0 for k, v in busy.items() if k[1] in "FB") and all(busy[f"{k}{w}"] == 0 for k in "01" for w in "IW")
     assert one_hop.ray_hop_s("object_store", (4, 64), count=10) > 0
 
 

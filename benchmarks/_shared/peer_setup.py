@@ -11,17 +11,27 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rayspec.core.schedule import Action, Schedule, build_schedule
+from rayspec.core.methods import METHODS
+from rayspec.core.schedule import Schedule, build_schedule
 from rayspec.data import DataInfo
 from rayspec.models import build_model
 from rayspec.partition import by_parameters, split
 
 IMAGE = DataInfo("image", 10, (3, 32, 32))
-TORCH_SCHEDULES = ("gpipe", "1f1b")
-RAYSPEC_RUNNERS = ("gpipe", "1f1b-flushed", "spectrain", "spectrain-grouped")
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb1p": "ScheduleInterleavedZeroBubble",
+                   "interleaved": "ScheduleInterleaved1F1B"}
+"""The torch schedules the runners are paired with, by the name the rows give them."""
+RAYSPEC_RUNNERS = ("gpipe", "1f1b", "zb1p", "spectrain", "spectrain-grouped")
+"""The runners the Ray executor runs."""
+NOT_ON_RAY = ("interleaved",)
+"""Runners whose row says why they are not run on Ray (the executor's refusal), rather than missing."""
+ALIASES = {"1f1b-flushed": "1f1b"}
+"""Former runner names (results files name them): the same runner."""
 # rayspec runner -> torch schedule
-PEER_OF = {"gpipe": "gpipe", "1f1b-flushed": "1f1b", "spectrain": "1f1b", "spectrain-grouped": "1f1b"}
-LIKE_FOR_LIKE = {"gpipe": True, "1f1b-flushed": True, "spectrain": False, "spectrain-grouped": False}
+PEER_OF = {"gpipe": "gpipe", "1f1b": "1f1b", "zb1p": "zb1p", "interleaved": "interleaved", "spectrain": "1f1b",
+           "spectrain-grouped": "1f1b"}
+LIKE_FOR_LIKE = {"gpipe": True, "1f1b": True, "zb1p": True, "interleaved": True, "spectrain": False,
+                 "spectrain-grouped": False}
 
 
 @dataclass(frozen=True)
@@ -73,33 +83,36 @@ def microbatches(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], start: in
     return out
 
 
-def flushed_1f1b(stages: int, m: int, batches: int) -> Schedule:
-    """``batches`` flushed 1F1B batches of ``m`` micro-batches, one update each: ``Schedule1F1B``'s order and semantics."""
-    one = build_schedule("1f1b", stages, m, group=m)
-    actions = tuple(
-        tuple(Action(a.stage, a.kind, a.microbatch + b * m, a.update) for b in range(batches) for a in one.actions[k])
-        for k in range(stages)
-    )
-    schedule = Schedule("1f1b", stages, m * batches, m, actions)
-    schedule.validate()
-    return schedule
+def runner_name(runner: str) -> str:
+    """``runner`` with a former name (``ALIASES``) replaced; ``ValueError`` for an unknown one."""
+    runner = ALIASES.get(runner, runner)
+    if runner not in RAYSPEC_RUNNERS + NOT_ON_RAY:
+        raise ValueError(f"runner={runner!r} is unknown; choose one of {', '.join(RAYSPEC_RUNNERS + NOT_ON_RAY)}")
+    return runner
+
+
+def runner_method(runner: str) -> str:
+    """The ``pipeline.method`` a runner trains with."""
+    runner = runner_name(runner)
+    return "spectrain" if runner.startswith("spectrain") else runner
 
 
 def rayspec_schedule(runner: str, m: int, batches: int) -> Schedule:
-    """The schedule a rayspec runner trains ``batches`` batches with."""
-    if runner == "gpipe":
-        return build_schedule("gpipe", 2, m * batches, group=m)
-    if runner == "1f1b-flushed":
-        return flushed_1f1b(2, m, batches)
+    """The schedule a rayspec runner trains ``batches`` batches with: the flushed methods' own schedule with one
+    flush and update per batch (``1f1b``: torch's ``Schedule1F1B`` order and semantics; ``interleaved``: 2 chunks
+    per rank), ``spectrain`` one update per micro-batch, ``spectrain-grouped`` one per batch, no flush."""
+    runner = runner_name(runner)
     if runner == "spectrain":
         return build_schedule("1f1b", 2, m * batches)
     if runner == "spectrain-grouped":
         return build_schedule("1f1b", 2, m * batches, group=m)
-    raise ValueError(f"runner={runner!r} is unknown; choose one of {', '.join(RAYSPEC_RUNNERS)}")
+    return build_schedule(METHODS[runner].schedule or runner, 2, m * batches, group=m, virtual=2 if runner == "interleaved" else 1)
 
 
 def profile_stages(parts: Sequence[nn.Module], cfg: PeerConfig, repeats: int = 10) -> dict[tuple[int, str], float]:
-    """Median seconds of each stage's F and B on one micro-batch, alone, at 1 thread (loss included on the last)."""
+    """Median seconds of each stage's F and B on one micro-batch, alone, at 1 thread (loss included on the last),
+    and of the backward split as zero-bubble schedules run it: I (input gradient) then W (weight gradient; on
+    stage 0, which needs no input gradient, the whole backward)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -109,22 +122,29 @@ def profile_stages(parts: Sequence[nn.Module], cfg: PeerConfig, repeats: int = 1
         out: dict[tuple[int, str], float] = {}
         inp = x
         for k, part in enumerate(parts):
-            f, b = [], []
+            last = k == len(parts) - 1
+            times: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
             for _ in range(repeats + 2):
-                xi = inp.detach().requires_grad_(k > 0)
-                t0 = time.perf_counter()
-                o = part(xi)
-                if k == len(parts) - 1:
-                    o = nn.functional.cross_entropy(o, y)
-                t1 = time.perf_counter()
-                if k == len(parts) - 1:
-                    o.backward()
-                else:
-                    o.backward(torch.ones_like(o))
-                t2 = time.perf_counter()
-                f.append(t1 - t0)
-                b.append(t2 - t1)
-            out[(k, "F")], out[(k, "B")] = statistics.median(f[2:]), statistics.median(b[2:])
+                for split in (False, True):
+                    xi = inp.detach().requires_grad_(k > 0)
+                    t0 = time.perf_counter()
+                    o = part(xi)
+                    if last:
+                        o = nn.functional.cross_entropy(o, y)
+                    t1 = time.perf_counter()
+                    grad = None if last else torch.ones_like(o)
+                    if not split:
+                        o.backward(grad)
+                        times["F"].append(t1 - t0)
+                        times["B"].append(time.perf_counter() - t1)
+                        continue
+                    if k > 0:
+                        torch.autograd.backward([o], None if grad is None else [grad], inputs=[xi], retain_graph=True)
+                    t2 = time.perf_counter()
+                    torch.autograd.backward([o], None if grad is None else [grad], inputs=list(part.parameters()))
+                    times["I"].append(t2 - t1)
+                    times["W"].append(time.perf_counter() - t2)
+            out.update({(k, kind): statistics.median(v[2:]) for kind, v in times.items()})
             inp = part(inp).detach()
         return out
     finally:
@@ -133,4 +153,6 @@ def profile_stages(parts: Sequence[nn.Module], cfg: PeerConfig, repeats: int = 1
 
 def ideal_step_s(runner: str, m: int, durations: dict[tuple[int, str], float], batches: int = 4) -> float:
     """Ideal seconds per batch of a runner's schedule (no communication cost) under ``durations``."""
+    if runner_name(runner) in NOT_ON_RAY:  # its chunks are not the 2 stages the durations are of
+        raise ValueError(f"runner={runner!r} has no ideal step from 2 stages' durations")
     return rayspec_schedule(runner, m, batches).makespan(durations) / batches

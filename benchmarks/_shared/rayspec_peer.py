@@ -9,7 +9,14 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from benchmarks._shared.peer_setup import RAYSPEC_RUNNERS, PeerConfig, make_batches, microbatches, rayspec_schedule
+from benchmarks._shared.peer_setup import (
+    PeerConfig,
+    make_batches,
+    microbatches,
+    rayspec_schedule,
+    runner_method,
+    runner_name,
+)
 from benchmarks._shared.processes import process_cpu_s, process_tree, ray_system_pids, self_cpu_s
 from rayspec.core.optim import OptimSpec
 from rayspec.core.stage import make_stages
@@ -23,10 +30,8 @@ class RayspecRunner:
                  cpus_per_stage: float = 1.0) -> None:
         from rayspec.exec.ray import RayExecutor
 
-        if runner not in RAYSPEC_RUNNERS:
-            raise ValueError(f"runner={runner!r} is unknown; choose one of {', '.join(RAYSPEC_RUNNERS)}")
-        self.runner, self.cfg = runner, cfg
-        method = "spectrain" if runner.startswith("spectrain") else "gpipe"
+        self.runner, self.cfg = runner_name(runner), cfg
+        method = runner_method(runner)
         self.group = rayspec_schedule(runner, cfg.microbatches, 1).group
         spec = StageSpec(lr=cfg.lr, optim=OptimSpec(momentum=cfg.momentum), group=self.group)
         stages = make_stages([copy.deepcopy(p) for p in parts], method, spec)
@@ -58,11 +63,12 @@ class RayspecRunner:
         return elapsed, [sum(losses[i * m:(i + 1) * m]) * scale for i in range(count)]
 
     def busy_per_action_s(self) -> dict[tuple[int, str], float]:
-        """Mean seconds per F and B inside each stage (``StageStats.busy_s``) so far, fused last-stage calls included."""
+        """Mean seconds per F, B, I and W inside each stage (``StageStats.busy_s``) so far, fused last-stage calls
+        included; 0 for a kind the schedule has none of."""
         out = {}
         for st in self.executor.stage_stats():
-            for kind in "FB":
-                out[(st["stage"], kind)] = st["busy_s"][kind] / max(1, st["actions"][kind])
+            for kind in "FBIW":
+                out[(st["stage"], kind)] = st["busy_s"].get(kind, 0.0) / max(1, st["actions"].get(kind, 0))
         return out
 
     def close(self) -> None:

@@ -12,15 +12,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks._shared.peer_setup import PeerConfig, make_batches
+from benchmarks._shared.peer_setup import NOT_ON_RAY, TORCH_SCHEDULES, PeerConfig, make_batches
 from benchmarks._shared.processes import free_port, self_cpu_s
 
-__all__ = ["TorchPeer"]
+__all__ = ["RUN_HERE", "TorchPeer"]
+
+RUN_HERE = tuple(name for name in TORCH_SCHEDULES if name not in NOT_ON_RAY)
+"""The torch schedules the workers keep ready: those a rayspec runner on Ray is paired with (one stage per rank)."""
 
 def _torch_worker(rank: int, port: int, part: nn.Module, cfg: PeerConfig, commands: Any, results: Any) -> None:
     """One torch pipeline rank: runs the commands it is sent until ``stop``."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -29,11 +32,13 @@ def _torch_worker(rank: int, port: int, part: nn.Module, cfg: PeerConfig, comman
         data = make_batches(cfg)
         init = copy.deepcopy(part.state_dict())
         runs: dict[str, dict[str, Any]] = {}
-        for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+        for name in RUN_HERE:
             module = copy.deepcopy(part)
             stage = PipelineStage(module, rank, 2, torch.device("cpu"))
             busy = _time_actions(stage)
-            sched = cls(stage, cfg.microbatches, loss_fn=nn.functional.cross_entropy)
+            cls = getattr(schedules, TORCH_SCHEDULES[name])
+            multi = issubclass(cls, schedules.PipelineScheduleMulti)  # takes this rank's stages as a list
+            sched = cls([stage] if multi else stage, cfg.microbatches, loss_fn=nn.functional.cross_entropy)
             runs[name] = {"module": module, "schedule": sched, "step": 0, "busy": busy,
                           "opt": torch.optim.SGD(module.parameters(), lr=cfg.lr, momentum=cfg.momentum)}
         results.put((rank, "ready", None))
@@ -89,18 +94,20 @@ def _torch_worker(rank: int, port: int, part: nn.Module, cfg: PeerConfig, comman
 
 
 def _time_actions(stage: Any) -> dict[str, list]:
-    """Wrap a ``PipelineStage``'s ``forward_one_chunk``/``backward_one_chunk`` to sum their seconds: ``{kind: [s, n]}``."""
-    busy: dict[str, list] = {"F": [0.0, 0], "B": [0.0, 0]}
-    for kind, attr in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+    """Wrap a ``PipelineStage``'s ``forward_one_chunk``/``backward_one_chunk``/``backward_weight_one_chunk`` to sum
+    their seconds: ``{kind: [s, n]}``, a backward without its weight gradient (``full_backward=False``) as ``I``."""
+    busy: dict[str, list] = {"F": [0.0, 0], "B": [0.0, 0], "I": [0.0, 0], "W": [0.0, 0]}
+    for kind, attr in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
         inner = getattr(stage, attr)
 
         def timed(*a: Any, _inner: Any = inner, _kind: str = kind, **kw: Any) -> Any:
+            key = "I" if _kind == "B" and not kw.get("full_backward", True) else _kind
             t0 = time.perf_counter()
             try:
                 return _inner(*a, **kw)
             finally:
-                busy[_kind][0] += time.perf_counter() - t0
-                busy[_kind][1] += 1
+                busy[key][0] += time.perf_counter() - t0
+                busy[key][1] += 1
 
         setattr(stage, attr, timed)
     return busy

@@ -3,6 +3,10 @@
     python -m benchmarks.efficiency [--quick] [--stages 2,4] [--transports p2p,compiled,object_store] [--no-torch]
                                     [--microbatches 32] [--forward-ms 20] [--backward-ms 40]
                                     [--real-stages 2] [--real-model mlp] [--real-size full] [--real-batch 64]
+    python -m benchmarks.efficiency --schedules gpipe,1f1b,zb1p [--microbatches 8,16] [--stages 4]
+
+``--schedules``: each schedule's measured bubble against its formula, rayspec beside torch
+(``benchmarks.efficiency.schedules``), into ``efficiency_schedules.json``; the rest of this text is the default mode.
 
 Sleep-timed: each stage is one ``SleepBlock`` (F and B sleep, so CPU contention on a small
 machine does not mix into the figure); what remains above the ideal makespan is framework
@@ -32,6 +36,7 @@ from torch import nn
 
 from benchmarks._shared.processes import free_port, start_ray
 from benchmarks._shared.results import table, write
+from benchmarks.efficiency import schedules as bubbles
 from benchmarks.efficiency._sleep import SleepBlock
 from rayspec.core.optim import OptimSpec
 from rayspec.core.schedule import build_schedule
@@ -174,9 +179,11 @@ def measure_real(schedule_name: str, n: int, m: int, model_name: str, size: str,
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--stages", default="2,4", help="stage counts of the sleep-timed runs")
+    ap.add_argument("--stages", default=None, help="stage counts of the sleep-timed runs (default 2,4; --schedules: 4)")
     ap.add_argument("--transports", default="p2p,compiled,object_store")
-    ap.add_argument("--microbatches", type=int, default=32)
+    ap.add_argument("--microbatches", default=None, help="micro-batches per run (default 32; --schedules: 8,16)")
+    ap.add_argument("--schedules", default=None,
+                    help="methods whose bubble to measure against its formula, beside torch's (e.g. gpipe,1f1b,zb1p)")
     ap.add_argument("--forward-ms", type=float, default=20.0)
     ap.add_argument("--backward-ms", type=float, default=40.0)
     ap.add_argument("--repeats", type=int, default=5)
@@ -188,12 +195,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--real-size", default="full")
     ap.add_argument("--real-batch", type=int, default=64)
     args = ap.parse_args(argv)
-    m, repeats = (8, 2) if args.quick else (args.microbatches, args.repeats)
+    if args.schedules:
+        return schedule_bubbles(args)
+    m, repeats = (8, 2) if args.quick else (int(args.microbatches or 32), args.repeats)
     start_ray()
     rows = []
     transports = [t for t in args.transports.split(",") if t]
     f, b = args.forward_ms / 1e3, args.backward_ms / 1e3
-    for n in (int(v) for v in args.stages.split(",")):
+    for n in (int(v) for v in (args.stages or "2,4").split(",")):
         for kib in (int(v) for v in args.kib.split(",")):
             width = kib * 1024 // 32
             peer = {r["schedule"]: r for r in measure_torch(n, m, f, b, repeats, width)} if args.torch else {}
@@ -213,6 +222,32 @@ def main(argv: Sequence[str] | None = None) -> None:
                        "efficiency_best", "overhead_ms_per_action", *[k for k in real[0] if k.endswith("_ms")]]))
     path = write("efficiency", {"forward_ms": args.forward_ms, "backward_ms": args.backward_ms,
                                 "rows": rows, "real": real}, quick=args.quick)
+    print(f"wrote {path}")
+
+
+def schedule_bubbles(args: argparse.Namespace) -> None:
+    """``--schedules``: rayspec's and torch's measured bubble of each schedule against its formula, one run."""
+    methods = [s for s in args.schedules.split(",") if s]
+    n = int((args.stages or "4").split(",")[-1])
+    ms = [int(v) for v in (args.microbatches or "8,16").split(",")]
+    repeats = 1 if args.quick else args.repeats
+    if args.quick:
+        ms = [min(ms)]
+    f, i = args.forward_ms / 1e3, args.backward_ms / 2e3
+    load = os.getloadavg()
+    rows = bubbles.measure_torch(methods, n, ms, f, i, i, repeats) if args.torch else []
+    start_ray()
+    rows += [bubbles.measure_rayspec(s, n, m, f, i, i, repeats) for s in methods for m in ms]
+    rows.sort(key=lambda r: (r["microbatches"], methods.index(r["method"]), r["side"] != "torch"))
+    print(f"N={n} sleep stages, F={args.forward_ms:g} ms, I=W={args.backward_ms / 2:g} ms (B=I+W), "
+          f"{repeats} batches each; bubble = idle/busy of the ranks:")
+    print(table(rows, ["microbatches", "method", "side", "torch", "formula", "bubble_median", "bubble_min",
+                       "bubble_max", "off_by", "ideal_s", "median_s"]))
+    path = write("efficiency_schedules", {
+        "forward_ms": args.forward_ms, "input_ms": args.backward_ms / 2, "weight_ms": args.backward_ms / 2,
+        "stages": n, "repeats": repeats, "loadavg_before": [round(v, 2) for v in load],
+        "loadavg_after": [round(v, 2) for v in os.getloadavg()], "cpu_count": os.cpu_count(), "rows": rows},
+        quick=args.quick)
     print(f"wrote {path}")
 
 

@@ -9,17 +9,23 @@ into 2 stages by parameters; both sides start from the same weights, see the sam
 momentum, 1 torch thread per stage process and nothing else of theirs running.
 
 * torch: 2 processes (``torch.multiprocessing``, spawn), gloo, ``PipelineStage`` +
-  ``ScheduleGPipe`` or ``Schedule1F1B``, ``torch.optim.SGD``, one ``step`` + ``opt.step()`` per
-  batch. Both torch schedules are *flushed*: every batch fills and drains the pipeline and
-  applies one synchronous update.
+  ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleavedZeroBubble`` (one stage per rank),
+  ``torch.optim.SGD``, one ``step`` + ``opt.step()`` per batch. All torch schedules are *flushed*:
+  every batch fills and drains the pipeline and applies one synchronous update.
 * rayspec: ``RayExecutor`` with 2 stage actors (``cpus_per_stage=1``) after
   ``ray.init(num_cpus=2)``, on each of ``--transports`` (``p2p``, ``compiled``, ``object_store``, ``gloo``), one ``run`` over all timed
   batches (as the trainer runs a segment). Runners:
 
   - ``gpipe``: fill-drain, one update per batch: like-for-like with ``ScheduleGPipe``.
-  - ``1f1b-flushed``: rayspec's 1F1B actions per batch with ``group = M``, batches
-    concatenated (a ``Schedule`` built from ``build_schedule("1f1b", 2, M, group=M)``): exactly
-    torch's ``Schedule1F1B`` order and semantics, so the like-for-like comparison for it.
+  - ``1f1b``: ``pipeline.method=1f1b``, synchronous 1F1B flushed every batch
+    (``build_schedule("1f1b-flushed", 2, M * batches, group=M)``): exactly torch's ``Schedule1F1B``
+    order and semantics, so the like-for-like comparison for it. ``1f1b-flushed``, its former name,
+    still selects it.
+  - ``zb1p``: ``pipeline.method=zb1p``, ZB-H1 (the backward split into I and W, W deferred into the
+    drain's bubble), flushed every batch: torch's ``ScheduleInterleavedZeroBubble`` order with one
+    stage per rank; runs on the ``p2p`` transports only (the others refuse a split backward).
+  - ``interleaved``: a row with the Ray executor's refusal (2 model chunks per rank run on the local
+    executor only), never silently missing; torch's ``ScheduleInterleaved1F1B`` is its peer once it runs.
   - ``spectrain``: asynchronous 1F1B with weight prediction, one update per micro-batch
     (``M`` updates per batch) and no flush between batches: rayspec's method, not
     like-for-like (different optimisation, no bubble between batches, prediction work).
@@ -60,17 +66,22 @@ from benchmarks._shared.one_hop import ray_hop_s
 from benchmarks._shared.peer_setup import (
     IMAGE,
     LIKE_FOR_LIKE,
+    NOT_ON_RAY,
     PEER_OF,
     RAYSPEC_RUNNERS,
+    TORCH_SCHEDULES,
     PeerConfig,
     build_parts,
     ideal_step_s,
     profile_stages,
+    rayspec_schedule,
+    runner_name,
 )
 from benchmarks._shared.processes import start_ray
 from benchmarks._shared.rayspec_peer import RayspecRunner
 from benchmarks._shared.results import table, write
 from benchmarks._shared.torch_peer import TorchPeer
+from rayspec.core.schedule import ScheduleError
 
 
 # ----------------------------------------------------------------------------- the comparison
@@ -82,6 +93,9 @@ def compare(parts: Sequence[nn.Module], cfg: PeerConfig, peer: TorchPeer, runner
         Throughputs, the median pair ratio, per-batch losses of both, and where the time goes:
         mean ms per F and B inside each stage on both sides and CPU ms per batch by process group.
     """
+    runner = runner_name(runner)
+    if runner in NOT_ON_RAY:
+        return refused(parts, cfg, runner, transport, cpus_per_stage)
     torch_name = PEER_OF[runner]
     peer.reset(torch_name)
     ours = RayspecRunner(parts, cfg, runner, transport, cpus_per_stage)
@@ -106,8 +120,9 @@ def compare(parts: Sequence[nn.Module], cfg: PeerConfig, peer: TorchPeer, runner
         after = ours.executor.stage_stats()
     finally:
         ours.close()
-    r_busy = {(a["stage"], kind): (a["busy_s"][kind] - b["busy_s"][kind]) / max(1, a["actions"][kind] - b["actions"][kind])
-              for a, b in zip(after, before) for kind in "FB"}
+    r_busy = {(a["stage"], kind): (a["busy_s"].get(kind, 0.0) - b["busy_s"].get(kind, 0.0))
+              / max(1, a["actions"].get(kind, 0) - b["actions"].get(kind, 0))
+              for a, b in zip(after, before) for kind in "FBIW"}
     batches = steps * repeats
     samples = steps * cfg.batch
     ratios = [t / r for t, r in zip(t_times, r_times)]
@@ -130,6 +145,22 @@ def compare(parts: Sequence[nn.Module], cfg: PeerConfig, peer: TorchPeer, runner
     }
 
 
+def refused(parts: Sequence[nn.Module], cfg: PeerConfig, runner: str, transport: str,
+            cpus_per_stage: float = 1.0) -> dict:
+    """The row of a runner the Ray executor refuses (``NOT_ON_RAY``): the refusal, in place of the figures."""
+    ours = RayspecRunner(parts, cfg, runner, transport, cpus_per_stage)
+    try:
+        ours.steps(1)
+    except ScheduleError as e:
+        error = f"refused: {e}"
+    else:
+        raise RuntimeError(f"runner {runner} ran on Ray: pair it with torch's {TORCH_SCHEDULES[PEER_OF[runner]]}")
+    finally:
+        ours.close()
+    return {"runner": runner, "transport": transport, "torch": PEER_OF[runner],
+            "like_for_like": LIKE_FOR_LIKE[runner], "error": error}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps, one pair per runner")
@@ -141,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed batches first, on each side")
     ap.add_argument("--repeats", type=int, default=3, help="torch/rayspec measurement pairs per runner")
     ap.add_argument("--transports", default="p2p,compiled,object_store")
-    ap.add_argument("--runners", default=",".join(RAYSPEC_RUNNERS))
+    ap.add_argument("--runners", default=",".join(RAYSPEC_RUNNERS + NOT_ON_RAY),
+                    help="rayspec runners (1f1b-flushed: the former name of 1f1b)")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--worker-niceness", type=int, default=None,
@@ -152,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
     steps, repeats = (5, 1) if args.quick else (args.steps, args.repeats)
     cfg = PeerConfig(args.model, args.size, args.batch, args.microbatches, args.lr, args.momentum)
-    runners = [r for r in args.runners.split(",") if r]
+    runners = [runner_name(r) for r in args.runners.split(",") if r]
     transports = [t for t in args.transports.split(",") if t]
     torch.set_num_threads(1)
     parts, balance = build_parts(cfg)
@@ -167,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import ray
 
     rows: list[dict] = []
+    refusals: list[dict] = []
     hops: dict[str, float] = {}
     with TorchPeer(parts, cfg) as peer:
         hops["torch gloo send/recv"] = peer.hop_s(act_shape)
@@ -178,9 +211,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for runner in runners:
                     row = compare(parts, cfg, peer, runner, transport, steps=steps, warmup=args.warmup,
                                   repeats=repeats)
+                    if "error" in row:
+                        refusals.append(row)
+                        print(f"  {runner} on {transport}: {row['error']}")
+                        continue
                     row["ideal_step_ms"] = ideal_step_s(runner, m, compute) * 1e3
-                    row["torch_ideal_step_ms"] = ideal_step_s("gpipe" if row["torch"] == "gpipe" else "1f1b-flushed",
-                                                              m, compute) * 1e3
+                    row["torch_ideal_step_ms"] = ideal_step_s(row["torch"], m, compute) * 1e3
+                    row["actions_per_batch"] = sum(len(a) for a in rayspec_schedule(runner, m, 1).actions)
                     rows.append(row)
                     print(f"  {runner} on {transport}: rayspec {row['rayspec_samples_per_s']:.0f} samples/s, "
                           f"torch {row['torch']} {row['torch_samples_per_s']:.0f}, ratio {row['ratio']:.2f}")
@@ -198,10 +235,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for r in rows:  # the slower stage's busy time per batch, and the rest of the batch (waiting)
         for side in ("rayspec", "torch"):
             b = r[f"{side}_busy_ms"]
-            r[f"{side}_bottleneck_busy_ms"] = max(m * (b[f"{k}F"] + b[f"{k}B"]) for k in range(2))
+            r[f"{side}_bottleneck_busy_ms"] = max(m * sum(b[f"{k}{kind}"] for kind in "FBIW") for k in range(2))
             r[f"{side}_idle_ms"] = r[f"{side}_step_ms"] - r[f"{side}_bottleneck_busy_ms"]
     print("\nwhere the time goes, ms per batch of M micro-batches (ideal: the schedule's makespan from the compute "
-          "alone; eff = ideal / measured; busy: the slower stage's time inside its F and B; idle = batch - busy):")
+          "alone; eff = ideal / measured; busy: the slower stage's time inside its actions; idle = batch - busy):")
     print(table([{
         "runner": r["runner"], "transport": r["transport"], "ideal": f"{r['ideal_step_ms']:.0f}",
         "rayspec": f"{r['rayspec_step_ms']:.0f}", "eff": f"{r['ideal_step_ms'] / r['rayspec_step_ms']:.2f}",
@@ -209,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "torch ideal": f"{r['torch_ideal_step_ms']:.0f}", "torch": f"{r['torch_step_ms']:.0f}",
         "torch eff": f"{r['torch_ideal_step_ms'] / r['torch_step_ms']:.2f}",
         "torch busy": f"{r['torch_bottleneck_busy_ms']:.0f}", "torch idle": f"{r['torch_idle_ms']:.0f}",
-        "extra/action": f"{(r['rayspec_step_ms'] - r['torch_step_ms']) / (4 * m):.2f}",
+        "extra/action": f"{(r['rayspec_step_ms'] - r['torch_step_ms']) / r['actions_per_batch']:.2f}",
         "cpu stages": f"{r['rayspec_cpu_ms_per_batch']['stages']:.0f}",
         "cpu driver": f"{r['rayspec_cpu_ms_per_batch']['driver']:.0f}",
         "cpu ray sys": f"{r['rayspec_cpu_ms_per_batch']['ray_system']:.0f}",
@@ -217,11 +254,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     } for r in rows], ["runner", "transport", "ideal", "rayspec", "eff", "busy", "idle", "torch ideal", "torch",
                        "torch eff", "torch busy", "torch idle", "extra/action", "cpu stages", "cpu driver",
                        "cpu ray sys", "torch cpu"]))
-    print("(extra/action: rayspec minus torch ms per batch over the 4M actions of a batch; cpu: CPU ms per batch of "
+    print("(extra/action: rayspec minus torch ms per batch over the actions of a batch (4M, zb1p 6M); cpu: CPU ms per batch of "
           "rayspec's 2 stage actors, its driver and the rest of its Ray node, and of the 2 torch ranks; "
           "2 cores give 2 CPU ms per wall ms)")
-    print("\nms inside a stage per action (rayspec: Stage.forward/backward, optimizer step included; "
-          "torch: PipelineStage.forward_one_chunk/backward_one_chunk):")
+    print("\nms inside a stage per action (rayspec: Stage.forward/backward/backward_input/backward_weight, optimizer "
+          "step included; torch: PipelineStage.forward_one_chunk/backward_one_chunk/backward_weight_one_chunk; "
+          "I and W: the backward split, zb1p):")
     keys = list(rows[0]["rayspec_busy_ms"]) if rows else []
     print(table([{"runner": "compute alone", "transport": "-",
                   **{k: f"{compute[(int(k[0]), k[1])] * 1e3:.1f}" for k in keys}}]
@@ -234,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     path = write(args.out, {"config": asdict(cfg), "worker_niceness": os.environ.get("RAY_worker_niceness", "15"), "balance": balance, "steps": steps, "warmup": args.warmup,
                           "repeats": repeats, "activation_shape": list(act_shape),
                           "compute_ms": {f"{k}{kind}": v * 1e3 for (k, kind), v in compute.items()},
-                          "hop_ms": {k: v * 1e3 for k, v in hops.items()}, "rows": rows}, quick=args.quick)
+                          "hop_ms": {k: v * 1e3 for k, v in hops.items()}, "rows": rows, "refused": refusals},
+                  quick=args.quick)
     print(f"wrote {path}")
 
 
