@@ -152,37 +152,52 @@ def markdown(study: Study, table: Sequence[dict[str, Any]], settings: Mapping[st
                                                                   _entry(by[label, n], "mean_distance", 1.0, 3))]
             for label in study.methods]
     lines += _table(header, rows)
-    predicting = [label for label in study.methods if predicts(label)]
-    if predicting:
-        lines += ["", "SpecTrain's prediction quality, ‖W_pred − W*‖ / ‖W_stale − W*‖ against the weights W* each stage "
-                  "really held at the predicted version, on a fixed sample of each stage's weights (0: perfect, 1: no "
-                  "better than the stale weights; `rayspec.core.predict`): over the run, the mean over the predicting "
-                  "stages and per stage (s0/s1/...); the best scale, the multiple of the paper's step "
-                  "(`s` times the optimizer's next step; SGD: `s·lr·v`) that would have landed closest (below 1: the "
-                  "paper's step overshoots); and the quality on the flipped coordinates, whose direction (SGD: "
-                  "velocity) changed sign before the target version, and on the "
-                  "others (kept), with the flipped share of the coordinates:", ""]
-        heads = ("quality", "per stage", "best scale", "flipped", "kept", "flipped share %")
-        header = ["method"] + [f"{h} N={n}" for n in study.stages for h in heads]
-        rows = [[f"`{label}`"] + [e for n in study.stages for e in (
-                    _entry(by[label, n], "prediction_quality", 1.0, 3),
-                    " / ".join(f"{q:.2f}" for q in by[label, n]["prediction_quality_per_stage"].values()) or "–",
-                    _entry(by[label, n], "prediction_best_scale", 1.0, 2),
-                    _entry(by[label, n], "prediction_quality_flipped", 1.0, 2),
-                    _entry(by[label, n], "prediction_quality_kept", 1.0, 2),
-                    _entry(by[label, n], "prediction_flipped_share", 100.0, 0))]
-                for label in predicting]
-        lines += _table(header, rows)
-    columns = [(label, n) for n in study.stages for label in _labels(study) if label in PAPER_COLUMNS]
-    if columns:
-        lines += ["", "In docs/design.md §6's layout (val accuracy %; MP = `async`, PD = `pipedream`, STv1/STv2 = "
-                  "`spectrain-paper`/`-consistent`, GP = `gpipe`, SEQ = `sequential`):", ""]
-        header = ["workload"] + [f"{PAPER_COLUMNS[label]}_{n}" if "ST" in PAPER_COLUMNS[label] else f"{PAPER_COLUMNS[label]}{n}"
-                                for label, n in columns]
-        row = [f"{c['model']['name']} {size}"] + [_entry(by[k], "val_accuracy", 100.0, 1).split(" (")[0]
-                                                  for k in columns]
-        lines += _table(header, [row])
+    lines += _prediction_lines(study, by)
+    lines += _paper_lines(study, by, c, size)
     return "\n".join(lines) + "\n"
+
+
+def _prediction_lines(study: Study, by: Mapping[tuple[str, int], dict[str, Any]]) -> list[str]:
+    """The table of SpecTrain's prediction quality per method and stage count (none without a predicting method)."""
+    predicting = [label for label in study.methods if predicts(label)]
+    if not predicting:
+        return []
+    lines = ["", "SpecTrain's prediction quality, ‖W_pred − W*‖ / ‖W_stale − W*‖ against the weights W* each stage "
+              "really held at the predicted version, on a fixed sample of each stage's weights (0: perfect, 1: no "
+              "better than the stale weights; `rayspec.core.predict`): over the run, the mean over the predicting "
+              "stages and per stage (s0/s1/...); the best scale, the multiple of the paper's step "
+              "(`s` times the optimizer's next step; SGD: `s·lr·v`) that would have landed closest (below 1: the "
+              "paper's step overshoots); and the quality on the flipped coordinates, whose direction (SGD: "
+              "velocity) changed sign before the target version, and on the "
+              "others (kept), with the flipped share of the coordinates:", ""]
+    heads = ("quality", "per stage", "best scale", "flipped", "kept", "flipped share %")
+    header = ["method"] + [f"{h} N={n}" for n in study.stages for h in heads]
+    rows = [[f"`{label}`"] + [e for n in study.stages for e in (
+                _entry(by[label, n], "prediction_quality", 1.0, 3),
+                " / ".join(f"{q:.2f}" for q in by[label, n]["prediction_quality_per_stage"].values()) or "–",
+                _entry(by[label, n], "prediction_best_scale", 1.0, 2),
+                _entry(by[label, n], "prediction_quality_flipped", 1.0, 2),
+                _entry(by[label, n], "prediction_quality_kept", 1.0, 2),
+                _entry(by[label, n], "prediction_flipped_share", 100.0, 0))]
+            for label in predicting]
+    lines += _table(header, rows)
+    return lines
+
+
+def _paper_lines(study: Study, by: Mapping[tuple[str, int], dict[str, Any]], c: Mapping[str, Any],
+                 size: str) -> list[str]:
+    """The study's accuracies in the layout of the authors' table (docs/design.md §6), where its methods are there."""
+    columns = [(label, n) for n in study.stages for label in _labels(study) if label in PAPER_COLUMNS]
+    if not columns:
+        return []
+    lines = ["", "In docs/design.md §6's layout (val accuracy %; MP = `async`, PD = `pipedream`, STv1/STv2 = "
+              "`spectrain-paper`/`-consistent`, GP = `gpipe`, SEQ = `sequential`):", ""]
+    header = ["workload"] + [f"{PAPER_COLUMNS[label]}_{n}" if "ST" in PAPER_COLUMNS[label] else f"{PAPER_COLUMNS[label]}{n}"
+                            for label, n in columns]
+    row = [f"{c['model']['name']} {size}"] + [_entry(by[k], "val_accuracy", 100.0, 1).split(" (")[0]
+                                              for k in columns]
+    lines += _table(header, [row])
+    return lines
 
 
 def _mean_curve(series: Sequence[Sequence[Sequence[float]]], column: int) -> tuple[list[float], list[float]]:
