@@ -220,6 +220,8 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("throughput_transports", "python -m benchmarks.throughput --models mlp --stages 2,4 --methods gpipe,spectrain "
      "--transports p2p,object_store,compiled --out throughput_transports", throughput_transports),
     ("peer", "python -m benchmarks.peer", peer),
+    ("peer_schedules", "python -m benchmarks.peer --runners 1f1b,zb1p,interleaved --transports p2p --out peer_schedules",
+     peer),
     ("peer_optim", "python -m benchmarks.peer --transports p2p --runners 1f1b-flushed,spectrain,spectrain-grouped "
      "--out peer_optim", peer),
     ("peer_nice0", "python -m benchmarks.peer --transports object_store --runners gpipe,1f1b-flushed "
@@ -233,6 +235,10 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("hops", "python -m benchmarks.hops", hops),
     ("p2p_memory", "python -m benchmarks.p2p_memory", p2p_memory),
     ("efficiency", "python -m benchmarks.efficiency", efficiency),
+    ("efficiency_schedules", "python -m benchmarks.efficiency --schedules gpipe,1f1b,zb1p --microbatches 8,16 "
+     "--stages 4 --forward-ms 100 --backward-ms 200 --repeats 3", _rows),
+    ("efficiency_schedules_20ms", "python -m benchmarks.efficiency --schedules gpipe,1f1b,zb1p --microbatches 8,16 "
+     "--stages 4 --forward-ms 20 --backward-ms 40 (written as efficiency_schedules.json, renamed)", _rows),
     ("partition", "python -m benchmarks.partition --holdout", partition),
     ("recovery", "python -m benchmarks.recovery", recovery),
     ("recovery_object_store", "python -m benchmarks.recovery --transport object_store --out recovery_object_store",
