@@ -93,13 +93,18 @@ class SplitBackward:
         job.outputs = job.split = None  # the graph goes now
         if self.weights.record:
             self.weights.records[-1].update(grads=[None if p.grad is None else p.grad.clone() for p in self.params])
+        self._gradient_done(update)
+        self._account_split("W", t0, m)
+
+    def _gradient_done(self, update: bool) -> None:
+        """A micro-batch's weight gradient is complete (``B`` or ``W``): count it, and update when ``update`` says so,
+        or wait for every stage's norm first under global clipping."""
         self.pending += 1
         if update:
             if self.clip_grad_norm is not None and self.clip_scope == "global":
                 self.waiting = True
             else:
                 self.step()
-        self._account_split("W", t0, m)
 
     def _check_split(self, kind: str, m: int) -> None:
         self._check_ready(kind, m)

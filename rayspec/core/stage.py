@@ -199,12 +199,7 @@ class Stage(SplitBackward):
                 inputs=detach(job.inputs), grad_output=grad, labels=job.labels,
                 grads=[None if p.grad is None else p.grad.clone() for p in self.params],
             )
-        self.pending += 1
-        if update:
-            if self.clip_grad_norm is not None and self.clip_scope == "global":
-                self.waiting = True
-            else:
-                self.step()
+        self._gradient_done(update)
         self._account("B", t0, m)
         return grad_in
 
