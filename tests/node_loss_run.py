@@ -9,7 +9,7 @@ worker nodes of 2 CPUs), trains a 2-stage gpipe run with ``fault.max_restarts=2`
 - ``driver``: the node holding the driver actor (placed in bundle 0 of a placement group, as in a Tune trial);
   the caller starts a new driver actor, which resumes from the newest checkpoint in the storage.
 
-Then it trains the same run without a loss, and prints one JSON line: the node removed, the run's restarts,
+Then it trains the same run without a loss, and prints one JSON line (also written to ``OUT_DIR/result.json``): the node removed, the run's restarts,
 the seconds from the loss to the failure seen and to the pipeline running again (the figures of a node-loss row
 of ``benchmarks.recovery``), and whether the final weights equal the uninterrupted run's. ``tests/test_node_loss.py`` runs it in a process of its own.
 """
@@ -95,13 +95,15 @@ def main(out_dir: Path, temp: str, scenario: str) -> None:
         b = torch.load(out_dir / "reference" / "model.pt", weights_only=True)
         restarts = summary["restarts"]
         running = [r["failed_at"] + r["recovery_s"] for r in restarts if "recovery_s" in r]  # the last restart's
-        print(json.dumps({
+        result = json.dumps({
             "scenario": scenario, "lost": lose.lost, "restarts": restarts, "updates": summary["updates"],
             "seen_s": restarts[0]["failed_at"] - lose.lost_at if restarts else None,
             "running_again_s": running[-1] - lose.lost_at if running else None,
             "updates_redone": sum(r["lost_updates"] for r in restarts),
             "checkpoint": summary["checkpoint"], "equal": all(torch.equal(a[k], b[k]) for k in a),
-        }, default=str))
+        }, default=str)
+        (out_dir / "result.json").write_text(result)  # what the test reads: Ray may print after this line
+        print(result)
     finally:
         ray.shutdown()
         cluster.shutdown()
