@@ -2,8 +2,8 @@
 
 ``python tests/node_loss_run.py OUT_DIR TEMP_DIR SCENARIO`` starts its own Ray nodes on this machine
 (``ray.cluster_utils.Cluster``: a head of no CPUs, where this process and its driver actor run, and three
-worker nodes of 2 CPUs), trains a 2-stage gpipe run with ``fault.max_restarts=2`` and its checkpoints in
-``checkpoint.storage`` (a ``file://`` URI: a folder every node reaches), and removes a worker node after update 6:
+worker nodes of 2 CPUs), trains a 2-stage gpipe run of ``STEPS`` updates with ``fault.max_restarts=2`` and its checkpoints in
+``checkpoint.storage`` (a ``file://`` URI: a folder every node reaches), and removes a worker node after update ``LOSE_AFTER``:
 
 - ``stage``: the node holding stage 1's bundle; the run restarts its stages on the nodes that remain;
 - ``driver``: the node holding the driver actor (placed in bundle 0 of a placement group, as in a Tune trial);
@@ -37,12 +37,14 @@ ray._private.utils.write_ray_address = lambda *args, **kwargs: None
 ray._common.utils.reset_ray_address = lambda *args, **kwargs: None
 
 WORKERS = 3
-LOSE_AFTER = 6
+# The run must still be going when Ray sees the node gone (about 3 s after the loss here): 16 updates of this tiny
+# model take about half a second, so the run is long and the loss early.
+STEPS, EVERY, LOSE_AFTER = 400, 20, 40
 NODE = {"object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
 OVERRIDES = ["pipeline.method=gpipe", "pipeline.stages=2", "pipeline.cpus_per_stage=1", "pipeline.microbatches=2",
              "pipeline.placement=spread", "model.size=tiny", "data.train_size=512", "data.val_size=64",
-             "train.batch_size=16", "train.max_steps=16", "train.log_every=1", "train.eval_every=0",
-             "checkpoint.every=4", "fault.max_restarts=2", "ray.log_to_driver=false"]
+             "train.batch_size=16", f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0",
+             f"checkpoint.every={EVERY}", "fault.max_restarts=2", "ray.log_to_driver=false"]
 
 
 class LoseNode:
@@ -97,6 +99,7 @@ def main(out_dir: Path, temp: str, scenario: str) -> None:
         running = [r["failed_at"] + r["recovery_s"] for r in restarts if "recovery_s" in r]  # the last restart's
         result = json.dumps({
             "scenario": scenario, "lost": lose.lost, "restarts": restarts, "updates": summary["updates"],
+            "steps": STEPS, "every": EVERY,
             "seen_s": restarts[0]["failed_at"] - lose.lost_at if restarts else None,
             "running_again_s": running[-1] - lose.lost_at if running else None,
             "updates_redone": sum(r["lost_updates"] for r in restarts),

@@ -46,16 +46,16 @@ def lose_a_node(scenario: str, out_dir: Path) -> dict:
 @pytest.mark.slow  # minutes on 2 busy cores: four Ray nodes, a lost one, two runs
 @pytest.mark.parametrize("scenario", ["stage", "driver"])
 def test_a_lost_node_is_survived_with_restarts_and_the_weights_are_the_uninterrupted_runs(tmp_path, scenario):
-    """The node holding stage 1 (``stage``) or the driver actor (``driver``) is removed after update 6: with
+    """The node holding stage 1 (``stage``) or the driver actor (``driver``) is removed after update ``LOSE_AFTER``: with
     ``fault.max_restarts`` the run restarts from the newest checkpoint in ``checkpoint.storage`` on the nodes
     that remain and ends with the weights of a run that lost nothing (gpipe: synchronous, exact resume)."""
     result = lose_a_node(scenario, tmp_path)
     print(json.dumps({k: result[k] for k in ("scenario", "seen_s", "running_again_s", "updates_redone")}))  # -s
-    assert result["lost"] is not None and result["updates"] == 16, result
+    assert result["lost"] is not None and result["updates"] == result["steps"], result
     restarts = result["restarts"]
     # One restart, or two where a new driver actor was placed on the lost node before Ray declared it dead.
     assert 1 <= len(restarts) <= 2 and {r["kind"] for r in restarts} == {scenario}, result
-    assert all(r["resumed_from"] in (4, 8, 12) for r in restarts), result
+    assert all(r["resumed_from"] % result["every"] == 0 and 0 < r["resumed_from"] < result["steps"] for r in restarts), result
     assert result["running_again_s"] is not None, result
     assert result["checkpoint"].startswith((tmp_path / "storage").as_uri()), result
     assert result["equal"], result
