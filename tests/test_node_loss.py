@@ -54,7 +54,7 @@ def test_a_lost_node_is_survived_with_restarts_and_the_weights_are_the_uninterru
     assert result["lost"] is not None and result["updates"] == result["steps"], result
     restarts = result["restarts"]
     # One restart, or two where a new driver actor was placed on the lost node before Ray declared it dead.
-    assert 1 <= len(restarts) <= 2 and {r["kind"] for r in restarts} == {scenario}, result
+    assert len(restarts) in (1, 2) and {r["kind"] for r in restarts} == {scenario}, result
     assert all(r["resumed_from"] % result["every"] == 0 and 0 < r["resumed_from"] < result["steps"] for r in restarts), result
     assert result["running_again_s"] is not None, result
     assert result["checkpoint"].startswith((tmp_path / "storage").as_uri()), result
