@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from rayspec.config.checks import choice, integer, number, optional_integer
 from rayspec.core.lr import LR_SCHEDULES
-from rayspec.core.methods import BACKWARDS, METHODS, VARIANTS, Method
+from rayspec.core.methods import BACKWARDS, METHODS, TWO_VERSIONS, VARIANTS, Method
 from rayspec.core.optim import OPTIMIZERS
 from rayspec.core.precision import PRECISIONS
 from rayspec.core.predict import PREDICTORS
@@ -158,7 +158,7 @@ class PipelineConfig(Section):
         if method.schedule == "interleaved" and self.microbatches % self.stages:
             raise ConfigError(f"pipeline.microbatches={self.microbatches}: interleaved 1F1B runs micro-batches in "
                               f"rounds of pipeline.stages={self.stages}; use a multiple of {self.stages}")
-        if method.policy in ("2bw", "predict-2bw") and self.accumulate < self.stages - 1:
+        if method.policy in TWO_VERSIONS and self.accumulate < self.stages - 1:
             raise ConfigError(f"pipeline.accumulate={self.accumulate}: {self.method} keeps two weight versions, so no "
                               "micro-batch may be in flight across two updates; use pipeline.accumulate >= "
                               f"{self.stages - 1} (pipeline.stages - 1)")

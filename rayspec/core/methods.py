@@ -12,12 +12,16 @@ from dataclasses import dataclass
 
 from rayspec.errors import unknown
 
-__all__ = ["Method", "METHODS", "POLICIES", "VARIANTS", "BACKWARDS", "method"]
+__all__ = ["Method", "METHODS", "POLICIES", "PREDICTING", "TWO_VERSIONS", "VARIANTS", "BACKWARDS", "method"]
 
 POLICIES = ("none", "stash", "predict", "2bw", "predict-2bw")
 """What a stage does about staleness: nothing, PipeDream's weight stashing, SpecTrain's prediction, PipeDream-2BW's
 two versions (the backward at the forward's version, one old copy kept at an update), or 2BW with the forward at a
 prediction of the next version, kept for its backward (``rayspec.core.staleness``)."""
+PREDICTING = ("predict", "predict-2bw")
+"""The policies that predict weights ahead (SpecTrain): version differences, the probe and the optimizer's last step."""
+TWO_VERSIONS = ("2bw", "predict-2bw")
+"""The policies that keep two weight versions (PipeDream-2BW; ``rayspec.core.two_versions``)."""
 VARIANTS = ("paper", "consistent")
 """SpecTrain's prediction targets (the authors' v1 and v2; docs/design.md §2)."""
 BACKWARDS = ("mixed", "recompute")
@@ -53,7 +57,7 @@ class Method:
     @property
     def predicts(self) -> bool:
         """Whether stages predict weights ahead (SpecTrain): version differences and the prediction probe apply."""
-        return self.policy in ("predict", "predict-2bw")
+        return self.policy in PREDICTING
 
 
 _ALL = (

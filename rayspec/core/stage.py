@@ -32,7 +32,7 @@ from torch import nn
 from rayspec.core.activations import Activation, activation_bytes, as_input, detach, flat, input_grad
 from rayspec.core.finite import FiniteChecks
 from rayspec.core.grads import clip_grads, tensor_norms
-from rayspec.core.methods import METHODS
+from rayspec.core.methods import METHODS, PREDICTING
 from rayspec.core.optim import Optimizer, sgd_state
 from rayspec.core.precision import autocast, boundary
 from rayspec.core.predict import PredictionProbe
@@ -92,7 +92,7 @@ class Stage(SplitBackward):
         self.module = module.to(self.device)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.lr = spec.schedule
-        self.optimizer = Optimizer(self.params, spec.optim, keep_last=spec.policy.startswith("predict"))
+        self.optimizer = Optimizer(self.params, spec.optim, keep_last=spec.policy in PREDICTING)
         self.loss_fn = spec.loss_fn or nn.functional.cross_entropy
         self.version = 0
         self.pending = 0  # backwards accumulated since the last update
@@ -108,7 +108,7 @@ class Stage(SplitBackward):
         self.clock = StageClock(spec.trace)  # host time on CPU, CUDA events on a GPU (settled when read)
         self.checks = FiniteChecks(index)  # on a GPU: flags on the device, raised at checks.flush()
         self.predictor = spec.predictor
-        predicts = spec.policy.startswith("predict") and spec.probe > 0
+        predicts = spec.policy in PREDICTING and spec.probe > 0
         self.probe = PredictionProbe(self.params, spec.probe, self._seed) if predicts else None
         self.weights = ActionWeights(self.params, spec.policy, self.optimizer, self.lr, spec.predictor, self.probe,
                                      spec.record, self._track_memory)

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from rayspec.core.lr import LRSchedule
+from rayspec.core.methods import TWO_VERSIONS
 from rayspec.core.optim import Optimizer
 from rayspec.core.predict import PredictionProbe, coefficients
 from rayspec.core.swap import Swap, WeightSwap
-from rayspec.core.two_versions import TWO_VERSIONS, TwoVersions
+from rayspec.core.two_versions import TwoVersions
 
 __all__ = ["ActionWeights"]
 

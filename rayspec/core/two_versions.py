@@ -21,9 +21,7 @@ import torch
 
 from rayspec.core.predict import coefficients
 
-__all__ = ["TWO_VERSIONS", "TwoVersions"]
-
-TWO_VERSIONS = ("2bw", "predict-2bw")
+__all__ = ["TwoVersions"]
 
 
 class TwoVersions:
