@@ -1,6 +1,6 @@
 """Lose a node under a running pipeline on a multi-node Ray cluster; print how the run went on.
 
-``python tests/node_loss_run.py OUT_DIR TEMP_DIR SCENARIO`` starts its own Ray nodes on this machine
+``python tests/node_loss_run.py OUT_DIR SCENARIO TEMP_DIR`` starts its own Ray nodes on this machine
 (``ray.cluster_utils.Cluster``: a head of no CPUs, where this process and its driver actor run, and three
 worker nodes of 2 CPUs), trains a 2-stage gpipe run of ``STEPS`` updates with ``fault.max_restarts=2`` and its checkpoints in
 ``checkpoint.storage`` (a ``file://`` URI: a folder every node reaches), and removes a worker node after update ``LOSE_AFTER``:
@@ -71,7 +71,7 @@ def bundle_node(bundles: int, index: int) -> str:
     raise RuntimeError(f"no placement group of {bundles} bundles")
 
 
-def main(out_dir: Path, temp: str, scenario: str) -> None:
+def main(out_dir: Path, scenario: str, temp: str) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp, **NODE})
     try:
         for _ in range(WORKERS):
@@ -113,4 +113,4 @@ def main(out_dir: Path, temp: str, scenario: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])  # OUT_DIR SCENARIO TEMP_DIR

@@ -80,6 +80,37 @@ def stop_group(proc: subprocess.Popen, temp: Path, timeout: float = 60.0) -> lis
     return left
 
 
+def run_cluster_script(script: Path, args: list[str], what: str, timeout: float, env: dict[str, str] | None = None) -> str:
+    """Run ``script ARGS TEMP`` (a test's multi-node Ray cluster, ``ray.cluster_utils.Cluster``) in a process group
+    of its own, with a private temporary directory (short: Ray's socket paths live under it) and auth token; stop
+    the group when it ends or after ``timeout`` s, and fail naming ``what`` if it failed or left processes behind.
+
+    Returns:
+        Its standard output.
+    """
+    temp = Path(tempfile.mkdtemp(prefix="rs-nodes-"))
+    token = temp / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+           **(env or {})}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, str(script), *args, str(temp)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop_group(proc, temp, timeout=10)
+            out, err = proc.communicate()
+            pytest.fail(f"the {what} did not end within {timeout:g} s:\n{err[-4000:]}")
+        left = stop_group(proc, temp, timeout=30)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert proc.returncode == 0, err[-4000:]
+    assert not left, f"still running after the {what}: {left}"
+    return out
+
+
 class RayHead:
     """``ray start --head --block`` on 127.0.0.1: free ports, its own temporary directory and token,
     and the environment's ``bin`` first on ``PATH`` (so a job's ``python`` is this environment's).

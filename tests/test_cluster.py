@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import secrets
-import shutil
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from ray_head import RayHead, stop_group
+from ray_head import RayHead, run_cluster_script
 
 from rayspec.config import from_mapping
 from rayspec.models import build_model
@@ -104,26 +100,7 @@ def test_spread_puts_each_stage_on_its_own_node_with_the_same_numbers(tmp_path):
     """Three Ray nodes on this machine: ``placement=spread`` puts each stage actor on its own node, ``pack``
     keeps them on one node (each could hold all three), and both give the local executor's final weights
     and loss; the driver actor runs on the calling process's node."""
-    temp = Path(tempfile.mkdtemp(prefix="rs-nodes-"))  # short: Ray's socket paths live under it
-    token = temp / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-    env.pop("RAY_ADDRESS", None)
-    script = Path(__file__).with_name("placement_run.py")
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(temp)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
-    try:
-        try:
-            out, err = proc.communicate(timeout=400)
-        except subprocess.TimeoutExpired:
-            stop_group(proc, temp, timeout=10)
-            out, err = proc.communicate()
-            pytest.fail(f"the multi-node run did not end within 400 s:\n{err[-4000:]}")
-        left = stop_group(proc, temp, timeout=30)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    assert proc.returncode == 0, err[-4000:]
-    assert not left, f"still running after the multi-node run: {left}"
+    out = run_cluster_script(Path(__file__).with_name("placement_run.py"), [str(tmp_path)], "multi-node run", 400)
     result = json.loads(out.strip().splitlines()[-1])
     spread, pack, nodes = result["placed"]["spread"], result["placed"]["pack"], result["nodes"]
     assert len(set(nodes)) == 3 and sorted(set(spread)) == sorted(nodes), result

@@ -4,42 +4,15 @@ in a process of its own, apart from the test session's Ray)."""
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from ray_head import stop_group
-
-ROOT = Path(__file__).resolve().parents[1]
+from ray_head import ROOT, run_cluster_script
 
 
 def lose_a_node(scenario: str, out_dir: Path) -> dict:
-    temp = Path(tempfile.mkdtemp(prefix="rs-loss-"))  # short: Ray's socket paths live under it
-    token = temp / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-           "PYTHONPATH": str(ROOT)}
-    env.pop("RAY_ADDRESS", None)
     script = Path(__file__).with_name("node_loss_run.py")
-    proc = subprocess.Popen([sys.executable, str(script), str(out_dir), str(temp), scenario], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
-    try:
-        try:
-            out, err = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            stop_group(proc, temp, timeout=10)
-            out, err = proc.communicate()
-            pytest.fail(f"the node-loss run did not end within 600 s:\n{err[-4000:]}")
-        left = stop_group(proc, temp, timeout=30)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    assert proc.returncode == 0, err[-4000:]
-    assert not left, f"still running after the node-loss run: {left}"
+    run_cluster_script(script, [str(out_dir), scenario], "node-loss run", 600, env={"PYTHONPATH": str(ROOT)})
     return json.loads((out_dir / "result.json").read_text())  # stdout may hold Ray's lines after the result
 
 
