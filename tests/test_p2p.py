@@ -329,7 +329,7 @@ def test_the_protocol_keeps_to_nccls_rules(monkeypatch):
     monkeypatch.setattr(p2p, "dist", world)
     a, b = p2p.P2PEndpoint(None), p2p.P2PEndpoint(None)
     for rank, end in enumerate((a, b)):
-        end.groups = {(0, "F"): "F", (0, "B"): "B"}  # joined already: one group per pair and direction
+        end.groups = {(0, 1, "F"): "F", (1, 0, "B"): "B"}  # joined already: one group per directed link and direction
         end.join("", 0, rank, 2, 1.0, capacity=0)
     shapes = [(4, 8), (4, 8), (2, 8), (6, 8), (6, 8), (1,), (6, 8)]
     for m, shape in enumerate(shapes):

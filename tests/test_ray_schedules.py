@@ -1,5 +1,6 @@
 """On Ray's p2p transport the synchronous schedules (1F1B, ZB-H1's I and W) and PipeDream-2BW equal the local
-executor, and the synchronous ones SGD; what stage actors cannot run is refused with the fix."""
+executor, and the synchronous ones SGD; what stage actors cannot run is refused with the fix. Interleaved 1F1B (model
+chunks per actor): test_ray_interleaved."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from conftest import assert_same_weights, make_stages, microbatches, plain_sgd
 
 from rayspec.core.methods import METHODS
 from rayspec.core.schedule import ScheduleError, build_schedule
+from rayspec.errors import ConfigError
 from rayspec.exec import LocalExecutor
 from rayspec.exec.ray import RayExecutor
 
@@ -52,7 +54,13 @@ def test_p2p_equals_local(p2p, tiny, method, group):
 
 
 @pytest.mark.slow
-def test_stage_actors_refuse_virtual_stages(p2p, tiny):
+def test_stage_actors_of_one_stage_refuse_virtual_stages(p2p, tiny):
     ex, n = p2p
-    with pytest.raises(ScheduleError, match="a stage actor hosts one stage; run it with pipeline.executor=local"):
+    with pytest.raises(ScheduleError, match="each stage actor hosts 1; create the executor with virtual=2"):
         ex.run(build_schedule("interleaved", n, n, virtual=2), iter(microbatches(tiny[1], 1, 32, n)))
+
+
+def test_transports_that_host_one_stage_per_actor_refuse_virtual_stages(ray_session, tiny):
+    with pytest.raises(ConfigError, match="pipeline.transport=object_store runs one stage per stage actor; use "
+                                          "pipeline.transport=p2p"):
+        RayExecutor(make_stages(tiny[0], "interleaved", 4), "interleaved", transport="object_store", virtual=2)

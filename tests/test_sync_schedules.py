@@ -74,7 +74,8 @@ def _config(method, **pipeline):
 @pytest.mark.parametrize("method,pipeline,message", [
     ("interleaved", {"virtual_stages": 2, "microbatches": 3}, "use a multiple of 2"),
     ("gpipe", {"virtual_stages": 2}, "applies to pipeline.method=interleaved only"),
-    ("interleaved", {"virtual_stages": 2, "executor": "ray"}, "with pipeline.executor=local"),
+    ("interleaved", {"virtual_stages": 2, "executor": "ray", "transport": "gloo"},
+     "a stage actor hosts one stage; use pipeline.transport=auto or p2p or p2p_nccl.*or pipeline.executor=local"),
     ("zb1p", {"executor": "ray", "transport": "object_store"}, "runs no split backward.*pipeline.transport=auto or p2p"),
     ("pipedream-2bw", {"stages": 4, "accumulate": 2}, r"pipeline.accumulate >= 3 \(pipeline.stages - 1\)"),
     ("async", {"schedule_file": "x.csv"}, "use 1f1b, zb1p or interleaved"),

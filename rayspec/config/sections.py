@@ -33,7 +33,8 @@ _ADDRESS = re.compile(r"^(ray://)?(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}$")  
 EXECUTORS = ("local", "ray")
 PLACEMENTS = ("pack", "spread")
 SPLIT_TRANSPORTS = ("auto", "p2p", "p2p_nccl")
-"""The transports whose stage actors run ``I`` and ``W`` actions (the split backward of ``zb1p``)."""
+"""The transports whose stage actors run their rank's own action list: ``I`` and ``W`` actions (the split backward
+of ``zb1p``) and several model chunks per actor (``interleaved``, ``pipeline.virtual_stages`` > 1)."""
 
 
 class Section:
@@ -177,9 +178,10 @@ class PipelineConfig(Section):
                     f"micro-batches and {schedule.virtual} stages per rank; set pipeline.stages={schedule.ranks} "
                     f"pipeline.microbatches={schedule.microbatches} pipeline.virtual_stages={schedule.virtual}")
             splits = schedule.splits_backward
-        if self.executor == "ray" and virtual > 1:
-            raise ConfigError(f"pipeline.virtual_stages={virtual}: the stage actors host one stage each; run the "
-                              "interleaved schedule with pipeline.executor=local")
+        if self.executor == "ray" and virtual > 1 and self.transport not in SPLIT_TRANSPORTS:
+            raise ConfigError(f"pipeline.virtual_stages={virtual}: with pipeline.transport={self.transport} a stage "
+                              f"actor hosts one stage; use pipeline.transport={' or '.join(SPLIT_TRANSPORTS)}, whose "
+                              "stage actors host several model chunks, or pipeline.executor=local")
         if self.executor == "ray" and splits and self.transport not in SPLIT_TRANSPORTS:
             raise ConfigError(f"pipeline.transport={self.transport} runs no split backward (I and W actions); use "
                               f"pipeline.transport={' or '.join(SPLIT_TRANSPORTS)}, or pipeline.executor=local")

@@ -77,7 +77,7 @@ def make_executor(ctx: RunContext, stages: list[Stage]) -> Executor:
     return RayExecutor(
         stages, p.method, p.variant, transport=p.transport, cpus_per_stage=cpus, gpus_per_stage=gpus,
         max_in_flight=p.max_in_flight, placement_strategy=p.placement.upper(), placement_group=ctx.placement_group,
-        bundle_offset=ctx.bundle_offset,
+        bundle_offset=ctx.bundle_offset, virtual=p.virtual_stages,
     )
 
 

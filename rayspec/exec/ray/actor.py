@@ -1,11 +1,12 @@
-"""``StageActor``: a thin Ray actor around one ``Stage``, hosting the actor side (endpoint) of its transport."""
+"""``StageActor``: a thin Ray actor around one ``Stage`` (or the model chunks of one rank), hosting the actor side
+(endpoint) of its transport."""
 
 from __future__ import annotations
 
 import copy
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -29,9 +30,13 @@ class StageActor:
     ``forward``, ``backward`` and ``forward_backward`` are the object-store transport's calls and what every
     transport's endpoint runs (``rayspec.exec.ray.transport.StageOps``). A transport's own actor side is an
     endpoint that the actor hosts whatever its kind: ``open_endpoint`` builds it, ``endpoint_call`` calls it.
+
+    With virtual stages (interleaved 1F1B) the actor of rank ``r`` holds the model chunks ``r, r + N, ...``, each a
+    ``Stage`` of its own (``chunks``, by stage index); an action names its chunk by ``chunk``, the stage index
+    (``None``: the actor's first, ``stage``). State, statistics and timelines come per chunk, lowest index first.
     """
 
-    def __init__(self, stage: Stage, threads: int = 1) -> None:
+    def __init__(self, stage: Stage | Sequence[Stage], threads: int = 1) -> None:
         torch.set_num_threads(max(1, threads))
         _warm_up_backward()
         # Zero-copy transport is safe here: a stage sends only fresh activations and gradients that
@@ -41,51 +46,62 @@ class StageActor:
         self.endpoint: Any = None  # the transport's actor side (open_endpoint)
         self.load(stage)
 
-    def load(self, stage: Stage) -> None:
-        """Replace the stage (new weights, optimizer and policy) on this live actor."""
+    def load(self, stage: Stage | Sequence[Stage]) -> None:
+        """Replace the stage, or the model chunks (new weights, optimizer and policy), on this live actor."""
         # Own writable copies: zero-copy deserialization hands out read-only shared memory,
         # and a stage updates its weights in place.
-        stage = copy.deepcopy(stage)
-        if ray.get_gpu_ids():  # given a GPU: compute there, whatever the driver has (a CPU-only head, say)
-            stage.to("cuda")
-        self.stage = stage
+        stages = copy.deepcopy([stage] if isinstance(stage, Stage) else list(stage))
+        for st in stages:
+            if ray.get_gpu_ids():  # given a GPU: compute there, whatever the driver has (a CPU-only head, say)
+                st.to("cuda")
+        self.chunks: dict[int, Stage] = {st.index: st for st in sorted(stages, key=lambda st: st.index)}
+        self.stage = next(iter(self.chunks.values()))
         self.losses: dict[int, torch.Tensor] = {}  # the last stage's, on its device
         self.failed: BaseException | None = None  # a failed finish_update, raised again by every later action
-        log.debug("[stage %d] loaded", stage.index)
+        log.debug("[stage %s] loaded", ",".join(map(str, self.chunks)))
 
     # ------------------------------------------------------------------ actions
-    def forward(self, m: int, x: Activation, labels: Any = None, s: int = 0) -> Activation:
+    def forward(self, m: int, x: Activation, labels: Any = None, s: int = 0, chunk: int | None = None) -> Activation:
         self._raise_failed()
-        out = self.stage.forward(m, self._here(x), self._here(labels), s)
-        if self.stage.is_last:
+        stage = self._chunk(chunk)
+        out = stage.forward(m, self._here(x), self._here(labels), s)
+        if stage.is_last:
             self.losses[m] = out  # on the stage's device until pop_losses: no host round trip per micro-batch
             return None
         return _contiguous(out)
 
-    def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False) -> Activation:
+    def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False,
+                 chunk: int | None = None) -> Activation:
         self._raise_failed()
-        return _contiguous(self.stage.backward(m, self._here(grad), s, update))
+        return _contiguous(self._chunk(chunk).backward(m, self._here(grad), s, update))
 
-    def forward_backward(self, m: int, x: Activation, labels: Any, s: int, s_b: int, update: bool) -> Activation:
+    def forward_backward(self, m: int, x: Activation, labels: Any, s: int, s_b: int, update: bool,
+                         chunk: int | None = None) -> Activation:
         """The last stage's ``F(m)`` and ``B(m)`` in one call: one actor call fewer on the critical path."""
         self._raise_failed()
-        self.losses[m] = self.stage.forward(m, self._here(x), self._here(labels), s)
-        return _contiguous(self.stage.backward(m, None, s_b, update))
+        stage = self._chunk(chunk)
+        self.losses[m] = stage.forward(m, self._here(x), self._here(labels), s)
+        return _contiguous(stage.backward(m, None, s_b, update))
 
-    def backward_input(self, m: int, grad: Activation | None = None) -> Activation:
+    def backward_input(self, m: int, grad: Activation | None = None, chunk: int | None = None) -> Activation:
         """``I(m)``: the input-gradient half of a split backward (``rayspec.core.split``)."""
         self._raise_failed()
-        return _contiguous(self.stage.backward_input(m, self._here(grad)))
+        return _contiguous(self._chunk(chunk).backward_input(m, self._here(grad)))
 
-    def backward_weight(self, m: int, update: bool = False) -> None:
+    def backward_weight(self, m: int, update: bool = False, chunk: int | None = None) -> None:
         """``W(m)``: the weight-gradient half of a split backward; ``update`` steps the optimizer after it."""
         self._raise_failed()
-        self.stage.backward_weight(m, update)
+        self._chunk(chunk).backward_weight(m, update)
+
+    def _chunk(self, index: int | None) -> Stage:
+        """The model chunk of stage ``index`` (``None``: the first)."""
+        return self.stage if index is None else self.chunks[index]
 
     def pop_losses(self) -> dict[int, float]:
         """The losses since the last call, fetched from the device at once (one synchronization per chunk); raises
         for a non-finite loss or gradient since the last call (``FiniteChecks``)."""
-        self.stage.checks.flush()
+        for stage in self.chunks.values():
+            stage.checks.flush()
         out, self.losses = self.losses, {}
         if not out:
             return {}
@@ -112,10 +128,12 @@ class StageActor:
         return self.stage.grad_norms()
 
     def finish_update(self, *norms: torch.Tensor) -> None:
-        """Apply the update waiting for the global norm, from every stage's ``grad_norms`` (stage 0's first). The
-        object-store transport waits on no call of it: a failure here is raised again by the stage's next action."""
+        """Apply the update waiting for the global norm in every chunk, from every stage's ``grad_norms`` (stage 0's
+        first). The object-store transport waits on no call of it: a failure here is raised again by the stage's
+        next action."""
         try:
-            self.stage.finish_update(norms)
+            for stage in self.chunks.values():
+                stage.finish_update(norms)
         except BaseException as err:
             self.failed = err
             raise
@@ -142,22 +160,27 @@ class StageActor:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.stage.state_dict()
+        return {k: v for stage in self.chunks.values() for k, v in stage.state_dict().items()}
 
-    def stats(self) -> dict:
-        return stage_stats(self.stage)
+    def stats(self) -> list[dict]:
+        """Per chunk, lowest stage index first: ``rayspec.exec.base.stage_stats``."""
+        return [stage_stats(stage) for stage in self.chunks.values()]
 
-    def timeline(self) -> list[tuple[str, int, float, float]]:
-        self.stage.clock.settle()
-        return self.stage.timeline
+    def timeline(self) -> list[list[tuple[str, int, float, float]]]:
+        """Per chunk, lowest stage index first: its actions' ``(kind, micro-batch, start, end)``."""
+        for stage in self.chunks.values():
+            stage.clock.settle()
+        return [stage.timeline for stage in self.chunks.values()]
 
     def node_id(self) -> str:
         """The id of the Ray node this actor runs on."""
         return ray.get_runtime_context().get_node_id()
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        self.stage.clock.settle()
-        return self.stage.checkpoint_state()
+    def checkpoint_state(self) -> list[dict[str, Any]]:
+        """Per chunk, lowest stage index first: ``Stage.checkpoint_state``."""
+        for stage in self.chunks.values():
+            stage.clock.settle()
+        return [stage.checkpoint_state() for stage in self.chunks.values()]
 
 
 def _warm_up_backward() -> None:

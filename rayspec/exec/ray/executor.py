@@ -4,6 +4,10 @@ The executor owns the actors: it places them (one bundle each), starts them, rep
 gathers their state. How a segment's actions and tensors move between them is the transport's
 business (``rayspec.exec.ray.transport``; docs/design.md §4); every transport runs each stage's
 actions in the schedule's order, so all of them compute what ``LocalExecutor`` computes.
+
+With ``virtual = v`` model chunks per actor (interleaved 1F1B) there are ``N = len(stages) / v`` actors and actor
+``r`` hosts stages ``r, r + N, ...`` (torch's loop placement); state, statistics and timelines come back per stage,
+stage 0 first, as from ``LocalExecutor``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from rayspec.core.activations import Activation
 from rayspec.core.schedule import Schedule, ScheduleError
 from rayspec.core.stage import Stage
 from rayspec.core.transports import resolve_transport
+from rayspec.errors import ConfigError
 from rayspec.exec.base import Executor, MicrobatchFeed, check_stages, clips_globally
 from rayspec.exec.ray.actor import StageActor
 from rayspec.exec.ray.cluster import reserve_stages
@@ -45,6 +50,8 @@ class RayExecutor(Executor):
         placement_group: a group to place the stages in (e.g. a Tune trial's), stage ``k`` in
             bundle ``bundle_offset + k``; by default the executor creates and owns one.
         placement_strategy: ``PACK`` or ``SPREAD`` for the group it creates.
+        virtual: model chunks (stages) per stage actor; ``len(stages)`` must be a multiple. Only transports that
+            host chunks run more than 1 (``Transport.hosts_chunks``: ``p2p``, ``p2p_nccl``).
     """
 
     def __init__(
@@ -61,21 +68,29 @@ class RayExecutor(Executor):
         bundle_offset: int = 0,
         placement_strategy: str = "PACK",
         chunk: int = 16,
+        virtual: int = 1,
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("call ray.init() before creating a RayExecutor")
+        if virtual < 1 or len(stages) % virtual:
+            raise ValueError(f"{len(stages)} stages cannot be split into {virtual} chunks per stage actor")
         self.method, self.variant = method, variant
-        self.num_stages = len(stages)
+        self.num_stages, self.virtual = len(stages), virtual
         self.link = make_transport(resolve_transport(transport, gpus_per_stage),
-                                   TransportOptions(chunk, max_in_flight, gpus_per_stage, cpus_per_stage))
+                                   TransportOptions(chunk, max_in_flight, gpus_per_stage, cpus_per_stage, virtual))
+        if virtual > 1 and not self.link.hosts_chunks:
+            raise ConfigError(f"pipeline.virtual_stages={virtual}: pipeline.transport={self.link.name} runs one stage "
+                              "per stage actor; use pipeline.transport=p2p (or p2p_nccl, or auto), whose stage actors "
+                              "host several model chunks, or pipeline.executor=local")
         self._owns_pg = placement_group is None
+        ranks = self.num_stages // virtual
         if placement_group is None:
-            placement_group = reserve_stages(self.num_stages, cpus_per_stage, gpus_per_stage, placement_strategy)
+            placement_group = reserve_stages(ranks, cpus_per_stage, gpus_per_stage, placement_strategy)
             bundle_offset = 0
         self.pg = placement_group
         self._resources = (cpus_per_stage, gpus_per_stage, bundle_offset)
         self._clipping(stages)
-        self.actors = [self._spawn(k, stage) for k, stage in enumerate(stages)]
+        self.actors = [self._spawn(k, chunks) for k, chunks in enumerate(self._per_actor(stages))]
         ray.get([a.stats.remote() for a in self.actors])  # wait until every actor is up
         self.link.start(self.actors)
 
@@ -93,8 +108,18 @@ class RayExecutor(Executor):
         cannot)."""
         self.link.clip_globally(clips_globally(stages), self.method)
 
-    def _spawn(self, k: int, stage: Stage) -> Any:
-        """A stage actor for stage ``k`` in its bundle."""
+    def _per_actor(self, stages: Sequence[Stage]) -> list[list[Stage]]:
+        """Each actor's stages: actor ``r`` hosts ``r, r + N, ...``."""
+        ranks = len(stages) // self.virtual
+        return [list(stages[r::ranks]) for r in range(ranks)]
+
+    def _by_stage(self, per_actor: Sequence[Sequence[Any]]) -> list[Any]:
+        """Per-actor lists (each actor's chunks, lowest stage first) as one list in stage order."""
+        ranks = len(per_actor)
+        return [per_actor[k % ranks][k // ranks] for k in range(self.num_stages)]
+
+    def _spawn(self, k: int, stage: Stage | Sequence[Stage]) -> Any:
+        """A stage actor for rank ``k`` (its stage, or its model chunks) in its bundle."""
         cpus, gpus, offset = self._resources
         env = {"env_vars": dict(self.link.env)} if self.link.env else None
         return StageActor.options(  # type: ignore[attr-defined]
@@ -122,6 +147,7 @@ class RayExecutor(Executor):
         if self.link.replaces == "all":
             self._respawn(stages)
             return list(range(self.num_stages))
+        assert self.virtual == 1, "only transports that replace all actors host model chunks"
         self.link.stop()
         pings = [a.stats.remote() for a in self.actors]  # answered after what is still queued on a live actor
         ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
@@ -149,14 +175,14 @@ class RayExecutor(Executor):
         if self.link.broken:
             self._respawn(stages)
             return
-        ray.get([a.load.remote(st) for a, st in zip(self.actors, stages)])
+        ray.get([a.load.remote(chunks) for a, chunks in zip(self.actors, self._per_actor(stages))])
 
     def _respawn(self, stages: Sequence[Stage]) -> None:
         """New actors for every stage, in the same bundles, and the transport set up among them."""
         self.link.stop()
         for a in self.actors:
             ray.kill(a)
-        self.actors = [self._spawn(k, stage) for k, stage in enumerate(stages)]
+        self.actors = [self._spawn(k, chunks) for k, chunks in enumerate(self._per_actor(stages))]
         ray.get([a.stats.remote() for a in self.actors])
         self.link.start(self.actors)
 
@@ -166,9 +192,10 @@ class RayExecutor(Executor):
         microbatches: Iterable[tuple[Activation, torch.Tensor]],
         on_loss: Callable[[int, float], None] | None = None,
     ) -> list[float]:
-        if schedule.virtual > 1:
-            raise ScheduleError(f"the {schedule.name} schedule puts {schedule.virtual} stages on each rank, but a stage "
-                                "actor hosts one stage; run it with pipeline.executor=local")
+        if schedule.virtual != self.virtual:
+            raise ScheduleError(f"the {schedule.name} schedule puts {schedule.virtual} stages on each rank, but each "
+                                f"stage actor hosts {self.virtual}; create the executor with virtual={schedule.virtual} "
+                                "(pipeline.virtual_stages)")
         if schedule.splits_backward and self.transport not in ("p2p", "p2p_nccl"):
             raise ScheduleError(f"pipeline.transport={self.transport} runs no split backward (I and W actions); use "
                                 "pipeline.transport=p2p or p2p_nccl, or pipeline.executor=local")
@@ -195,22 +222,23 @@ class RayExecutor(Executor):
         return merged
 
     def stage_stats(self) -> list[dict]:
-        return ray.get([a.stats.remote() for a in self.actors])
+        return self._by_stage(ray.get([a.stats.remote() for a in self.actors]))
 
     def synchronize(self) -> None:
         ray.get([a.synchronize.remote() for a in self.actors])
 
     def timeline(self) -> list[list[tuple[str, int, float, float]]]:
-        return ray.get([a.timeline.remote() for a in self.actors])
+        return self._by_stage(ray.get([a.timeline.remote() for a in self.actors]))
 
     def node_ids(self) -> list[str] | None:
-        """The Ray node of each stage actor, stage 0 first (what ``placement_strategy`` decided)."""
-        return ray.get([a.node_id.remote() for a in self.actors])
+        """The Ray node of each stage, stage 0 first (what ``placement_strategy`` decided)."""
+        nodes = ray.get([a.node_id.remote() for a in self.actors])
+        return self._by_stage([[node] * self.virtual for node in nodes])
 
     def checkpoint_states(self) -> list[dict]:
         with warnings.catch_warnings():  # read-only zero-copy tensors: the checkpoint writer only reads them
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return ray.get([a.checkpoint_state.remote() for a in self.actors])
+            return self._by_stage(ray.get([a.checkpoint_state.remote() for a in self.actors]))
 
     def close(self) -> None:
         link = getattr(self, "link", None)

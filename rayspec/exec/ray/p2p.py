@@ -18,7 +18,9 @@ collective of ``(tensors of the largest stage + 1)`` floats per stage and update
 each stage's update waits for the slowest stage's backward, as it must.
 
 Per stage, the actions run in the schedule's order, so this path computes what
-``LocalExecutor`` computes. An error inside a stage leaves its neighbours waiting in ``recv``:
+``LocalExecutor`` computes. With virtual stages (interleaved 1F1B) a stage actor hosts ``v`` model chunks and runs
+its rank's actions across them in the schedule's rank order; a data group then also joins the last stage actor to
+the first ([Note: virtual stages] in ``p2p_plan``). An error inside a stage leaves its neighbours waiting in ``recv``:
 the actors are then replaced, all of them (``replaces = "all"``), never reused.
 """
 
@@ -39,7 +41,7 @@ from rayspec.core.schedule import Schedule
 from rayspec.core.transports import TransportSpec
 from rayspec.exec.base import MicrobatchFeed
 from rayspec.exec.ray.cluster import actor_died
-from rayspec.exec.ray.p2p_plan import P2POp, plan_p2p, source, tag
+from rayspec.exec.ray.p2p_plan import Message, P2POp, plan_p2p, source, target
 from rayspec.exec.ray.p2p_wire import (
     CAPACITY,
     HEADER_BYTES,
@@ -64,6 +66,14 @@ def _direction(t: int) -> str:
     return "F" if t % 2 == 0 else "B"
 
 
+def data_links(world: int, ring: bool = False) -> list[tuple[int, int, str]]:
+    """The directed links ``(src, dst, direction)`` that get a data group each, in the order every rank creates
+    them: activations from rank ``r`` to ``r + 1``, gradients back; with ``ring`` (virtual stages) also from the last
+    rank to the first and back."""
+    pairs = [(lo, lo + 1) for lo in range(world - 1)] + ([(world - 1, 0)] if ring and world > 1 else [])
+    return [link for a, b in pairs for link in ((a, b, "F"), (b, a, "B"))]
+
+
 class P2PEndpoint:
     """The actor side: the groups over the stage actors and the chunk runner of one stage.
 
@@ -74,7 +84,7 @@ class P2PEndpoint:
     def __init__(self, ops: StageOps | None) -> None:
         self.ops = ops
         self.store: Any = None
-        self.groups: dict[tuple[int, str], Any] = {}  # (lower stage, direction) -> data group
+        self.groups: dict[tuple[int, int, str], Any] = {}  # (sender, receiver, direction) -> data group
         self.backend: str | None = None
         self.norms_group: Any = None  # the gloo group the gradient norms are gathered over
         self.width: tuple[Any, int] | None = None  # (stage, most gradient tensors of any stage)
@@ -87,22 +97,24 @@ class P2PEndpoint:
         return address, self.store.port
 
     def join(self, address: str, port: int, rank: int, world: int, timeout_s: float, capacity: int = CAPACITY,
-             backend: str = "gloo", device: str | None = None) -> None:
+             backend: str = "gloo", device: str | None = None, ring: bool = False) -> None:
         """Join the stage actors' groups as ``rank`` (the stage index): the gloo group of the headers and, per pair of
         neighbours and direction, a data group of the two on ``backend`` (``gloo`` or ``nccl``: a communicator of
         the two ranks only, created when they first exchange a message); ``device``: where received tensors go
-        (the stage's device by default); ``capacity``: bytes of a pooled buffer at the least."""
-        self.rank = rank
+        (the stage's device by default); ``capacity``: bytes of a pooled buffer at the least; ``ring``: the last
+        rank is the first's neighbour too (virtual stages: ``data_links``)."""
+        self.rank, self.world = rank, world
         self.device = torch.device(device if device is not None else self.ops.stage.device if self.ops else "cpu")
         self.wire = self.device if backend == "nccl" else torch.device("cpu")
         self.buffers = Buffers(capacity, self.wire, pin=self.wire.type == "cpu" and self.device.type == "cuda")
         self.headers = Buffers(HEADER_BYTES)
         self.sends: dict[tuple[int, int], list] = {}  # (peer, tag) -> [(work, tensor)] of sends not waited on
         self.posted: dict[tuple[int, int], tuple] = {}  # receives started ahead
-        self.links: dict[tuple[int, str], Link] = {}  # (peer, direction) -> what both ends expect
+        self.links: dict[tuple[int, int, str], Link] = {}  # (sender, receiver, direction) -> what both ends expect
+        self.local: dict[tuple[int, int], Any] = {}  # (tag, receiving stage) -> a value between chunks of this actor
         if self.backend is not None and self.backend != backend:
             raise RuntimeError(f"stage {rank} joined a {self.backend} group before; a new backend needs a new actor")
-        if self.groups:
+        if self.groups and set(self.groups) == set(data_links(world, ring)):
             return
         timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
@@ -112,84 +124,110 @@ class P2PEndpoint:
             torch.cuda.set_device(self.device.index or 0)
         self.backend = backend
         # every rank creates every group, in one order; ranks outside a group get a placeholder
-        self.groups = {(lo, d): dist.new_group(ranks=[lo, lo + 1], backend=backend, timeout=timeout)
-                       for lo in range(world - 1) for d in ("F", "B")}
-        self.norms_group = dist.new_group(backend="gloo", timeout=timeout)  # global clipping's norms
+        known = self.groups
+        self.groups = {link: known.get(link) or dist.new_group(ranks=sorted(link[:2]), backend=backend, timeout=timeout)
+                       for link in data_links(world, ring)}
+        if self.norms_group is None:
+            self.norms_group = dist.new_group(backend="gloo", timeout=timeout)  # global clipping's norms
 
     def run(self, ops: Sequence[P2POp], data: dict, last: bool) -> dict[int, float]:
-        """Run this stage's ops of one chunk; ``data``: stage 0's inputs by ``m``, the last stage's labels by
+        """Run this rank's ops of one chunk; ``data``: stage 0's inputs by ``m``, the last stage's labels by
         ``("y", m)``; ``last``: the segment's final chunk, so wait until every send is received.
 
         Returns:
             The losses the last stage computed in this chunk (empty elsewhere).
         """
         assert self.ops is not None
-        k, n = self.ops.stage.index, self.ops.stage.num_stages
-        sources = [source(op, k, n) for op in ops]
-        inputs = [src for src in sources if src is not None]
+        chunks = self.ops.chunks
+        n, stages = self.world, next(iter(chunks.values())).num_stages
+        sources = [source(op, n, stages) for op in ops]
+        inputs = [src for src in sources if src is not None and not src.local]
         if inputs:  # the chunk's first input may arrive while the ops before it run
-            self._post(*inputs[0])
+            self._post(inputs[0].src, inputs[0].tag)
         got = 0
         for op, src in zip(ops, sources):
             received = None
-            if src is not None:
-                received = self.recv(*src)
+            if src is not None and src.local:  # from another chunk of this actor
+                received = self.local.pop((src.tag, op.stage))
+            elif src is not None:
+                received = self.recv(src.src, src.tag)
                 got += 1
                 if got < len(inputs):  # receive the next input ahead, while this op runs
-                    self._post(*inputs[got])
-                self.wait_sends([(src[0], t) for t in op.retire])
-            if op.kind == "B":
-                out = self.ops.backward(op.m, received, op.s, op.update)
-            elif op.kind == "I":
-                out = self.ops.backward_input(op.m, received)
-            elif op.kind == "W":
-                self.ops.backward_weight(op.m, op.update)
-                out = None
-            else:
-                x = data.pop(op.m) if k == 0 else received
-                labels = data.pop(("y", op.m), None)  # numpy from the driver: forward() makes them tensors
-                if op.kind == "FB":
-                    out = self.ops.forward_backward(op.m, x, labels, op.s, op.s_b, op.update)
-                else:
-                    out = self.ops.forward(op.m, x, labels, op.s)
-            kind, to = ("F", k + 1) if op.kind == "F" else ("B", k - 1)
-            if 0 <= to < n and op.kind != "W":
-                self.send(out, to, tag(kind, op.m))
-            if self.ops.stage.waiting:  # global clipping: its gradient is sent, now the norms
+                    self._post(inputs[got].src, inputs[got].tag)
+                self.wait_sends([(src.src, t) for t in op.retire])
+            out = self._compute(op, received, data, stages)
+            msg = target(op, n, stages)
+            if msg is not None:
+                self._hand_on(out, msg)
+            if all(stage.waiting for stage in chunks.values()):  # global clipping: gradients sent, now the norms
                 self.finish_update()
         if last:
             self.wait_sends()
         return self.ops.pop_losses()
 
-    def _link(self, peer: int, t: int) -> Link:
-        return self.links.setdefault((peer, _direction(t)), Link())
+    def _compute(self, op: P2POp, received: Any, data: dict, stages: int) -> Any:
+        """Run ``op`` on its chunk with its input; its output (``None`` for ``W`` and the last stage's loss)."""
+        assert self.ops is not None
+        if op.kind == "B":
+            return self.ops.backward(op.m, received, op.s, op.update, op.stage)
+        if op.kind == "I":
+            return self.ops.backward_input(op.m, received, op.stage)
+        if op.kind == "W":
+            self.ops.backward_weight(op.m, op.update, op.stage)
+            return None
+        x = data.pop(op.m) if op.stage == 0 else received
+        labels = data.pop(("y", op.m), None) if op.stage == stages - 1 else None  # numpy: forward() makes tensors
+        if op.kind == "FB":
+            return self.ops.forward_backward(op.m, x, labels, op.s, op.s_b, op.update, op.stage)
+        return self.ops.forward(op.m, x, labels, op.s, op.stage)
 
-    def _group(self, peer: int, t: int) -> Any:
-        """The data group of this stage and its neighbour ``peer`` for message ``t``'s direction."""
-        return self.groups[(min(self.rank, peer), _direction(t))]
+    def _hand_on(self, value: Any, msg: Message) -> None:
+        """Send ``value`` as ``msg``, or keep it here for this actor's chunk that takes it."""
+        if msg.local:
+            self.local[(msg.tag, msg.b + 1 if msg.kind == "F" else msg.b)] = value
+        else:
+            self.send(value, msg.dst, msg.tag)
+
+    def _link(self, src: int, dst: int, t: int) -> Link:
+        return self.links.setdefault((src, dst, _direction(t)), Link())
+
+    def _group(self, src: int, dst: int, t: int) -> Any:
+        """The data group of the directed link from rank ``src`` to ``dst`` for message ``t``'s direction."""
+        return self.groups[(src, dst, _direction(t))]
 
     def finish_update(self) -> None:
-        """Gather every stage's gradient norms (``[count, norms..., padding]`` each) and apply the waiting update."""
+        """Gather every stage's gradient norms and apply the waiting updates: each rank sends ``[count per chunk...,
+        norms of its chunks..., padding]``; rank ``r``'s chunk ``j`` is stage ``r + N j``."""
         assert self.ops is not None, "only a stage's endpoint applies updates"
-        stage = self.ops.stage
-        world = dist.get_world_size()
-        if self.width is None or self.width[0] is not stage:  # once per stage object: the largest stage's count
+        chunks = list(self.ops.chunks.values())
+        world, v = dist.get_world_size(), len(chunks)
+        if self.width is None or self.width[0] is not chunks[0]:  # once per stage object: the largest rank's count
             counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-            dist.all_gather(counts, torch.tensor([len(stage.params)]), group=self.norms_group)
-            self.width = (stage, max(int(c) for c in counts))
-        own = stage.grad_norms()
-        mine = torch.zeros(self.width[1] + 1, dtype=own.dtype)
-        mine[0], mine[1 : 1 + len(own)] = len(own), own
+            dist.all_gather(counts, torch.tensor([sum(len(st.params) for st in chunks)]), group=self.norms_group)
+            self.width = (chunks[0], max(int(c) for c in counts))
+        own = [st.grad_norms() for st in chunks]
+        mine = torch.zeros(v + self.width[1], dtype=own[0].dtype)
+        mine[:v] = torch.tensor([len(x) for x in own], dtype=mine.dtype)
+        if own:
+            body = torch.cat(own)
+            mine[v : v + len(body)] = body
         parts = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(parts, mine, group=self.norms_group)
-        self.ops.finish_update(*(p[1 : 1 + int(p[0])] for p in parts))
+        norms: list[torch.Tensor] = [torch.empty(0)] * (world * v)
+        for r, part in enumerate(parts):
+            at = v
+            for j in range(v):
+                count = int(part[j])
+                norms[r + world * j] = part[at : at + count]
+                at += count
+        self.ops.finish_update(*norms)
 
     def send(self, value: Any, peer: int, t: int) -> None:
         """Send ``value`` to stage ``peer`` as message ``t``: its header, then its payload (waited on later:
         ``wait_sends``)."""
         header, parts = pack(value)
         size = payload_bytes(parts)
-        link = self._link(peer, t)
+        link = self._link(self.rank, peer, t)
         first, rest = split_sizes(size, link.expect)
         if len(parts) == 1 and parts[0].numel() == size == first and parts[0].device.type == self.wire.type:
             payload = parts[0]  # one tensor of the agreed size, where it travels from: its own bytes, no copy
@@ -198,7 +236,7 @@ class P2PEndpoint:
             encode(parts, payload)
             if self.wire.type == "cpu" and any(p.is_cuda for p in parts):
                 torch.cuda.current_stream().synchronize()  # gloo reads the host copy as soon as it sends
-        group = self._group(peer, t)
+        group = self._group(self.rank, peer, t)
         works = [(dist.isend(header, peer, tag=t), header),
                  (dist.isend(payload[:first], peer, group=group, tag=_DATA_TAG), payload)]
         if rest:
@@ -220,10 +258,10 @@ class P2PEndpoint:
             return
         header = self.headers.take(HEADER_BYTES)[:HEADER_BYTES]
         payload = None
-        expect = self._link(peer, t).expect
+        expect = self._link(peer, self.rank, t).expect
         if expect is not None:
             buffer = self.buffers.take(expect)
-            payload = (dist.irecv(buffer[:expect], peer, group=self._group(peer, t), tag=_DATA_TAG), buffer)
+            payload = (dist.irecv(buffer[:expect], peer, group=self._group(peer, self.rank, t), tag=_DATA_TAG), buffer)
         self.posted[(peer, t)] = (dist.irecv(header, peer, tag=t), header, payload)
 
     def recv(self, peer: int, t: int) -> Any:
@@ -233,8 +271,8 @@ class P2PEndpoint:
         work, header, posted = self.posted.pop((peer, t))
         work.wait()
         is_tuple, specs, size = read_header(header)
-        link = self._link(peer, t)
-        group = self._group(peer, t)
+        link = self._link(peer, self.rank, t)
+        group = self._group(peer, self.rank, t)
         first, rest = split_sizes(size, link.expect)
         if posted is None:  # the link's first message: its size is known only now
             buffer = self.buffers.take(size)
@@ -269,10 +307,12 @@ class P2PTransport(Transport):
     """
 
     replaces = "all"  # a failed segment leaves the live stages waiting on their neighbours
+    hosts_chunks = True
 
     def __init__(self, chunk: int = 16, timeout_s: float = 1800.0, capacity: int = CAPACITY,
-                 backend: str = "gloo") -> None:
+                 backend: str = "gloo", virtual: int = 1) -> None:
         self.chunk = chunk
+        self.virtual = virtual
         self.timeout_s = timeout_s
         self.capacity = capacity
         self.backend = backend
@@ -283,14 +323,15 @@ class P2PTransport(Transport):
     @classmethod
     def create(cls, spec: TransportSpec, options: TransportOptions) -> P2PTransport:
         """``p2p`` (gloo data groups) or ``p2p_nccl`` (the line that uses NCCL: NCCL data groups)."""
-        return cls(options.chunk, backend="nccl" if spec.nccl else "gloo")
+        return cls(options.chunk, backend="nccl" if spec.nccl else "gloo", virtual=options.virtual)
 
     def start(self, actors: Sequence[Any]) -> None:
         super().start(actors)
         self.open_endpoints(P2PEndpoint)
         n = len(self.actors)
         address, port = ray.get(self.actors[0].endpoint_call.remote("rendezvous", n, self.timeout_s))
-        ray.get([a.endpoint_call.remote("join", address, port, k, n, self.timeout_s, self.capacity, self.backend)
+        ray.get([a.endpoint_call.remote("join", address, port, k, n, self.timeout_s, self.capacity, self.backend,
+                                        None, self.virtual > 1)
                  for k, a in enumerate(self.actors)])
 
     def run(self, schedule: Schedule, s: dict | None, feed: MicrobatchFeed, on_losses: LossSink) -> None:
@@ -298,18 +339,18 @@ class P2PTransport(Transport):
             raise RuntimeError(f"pipeline.transport={self.name}: an earlier segment failed and left stages waiting on "
                                "their neighbours; load new stages (new actors) before running again")
         chunks = plan_p2p(schedule, s, self.chunk)
-        n, last = schedule.stages, schedule.stages - 1
+        n, last = schedule.ranks, schedule.stages - 1
         pending: deque = deque()
         try:
             for c, per_stage in enumerate(chunks):
                 data: list[dict] = [{} for _ in range(n)]
                 # numpy arrays: Ray ships them without a copy; tensors would be pickled (ms each)
                 for op in per_stage[0]:
-                    if op.kind in ("F", "FB"):
+                    if op.kind in ("F", "FB") and op.stage == 0:
                         data[0][op.m] = to_wire(feed.input(op.m))
-                for op in per_stage[last]:
-                    if op.kind in ("F", "FB"):
-                        data[last][("y", op.m)] = to_wire(feed.labels(op.m))
+                for op in per_stage[last % n]:
+                    if op.kind in ("F", "FB") and op.stage == last:
+                        data[last % n][("y", op.m)] = to_wire(feed.labels(op.m))
                 final = c == len(chunks) - 1
                 pending.append([a.endpoint_call.remote("run", per_stage[k], data[k], final)
                                 for k, a in enumerate(self.actors)])

@@ -39,19 +39,24 @@ gradients that it never writes again, and copies what it receives before writing
 
 
 class StageOps(Protocol):
-    """What a transport's endpoint calls on its stage actor (``rayspec.exec.ray.actor.StageActor``)."""
+    """What a transport's endpoint calls on its stage actor (``rayspec.exec.ray.actor.StageActor``): ``chunk`` names
+    the stage (model chunk) of an actor that hosts several (virtual stages), ``None`` its first, ``stage``."""
 
     stage: Stage
+    chunks: dict[int, Stage]
 
-    def forward(self, m: int, x: Activation, labels: torch.Tensor | None = None, s: int = 0) -> Activation: ...
+    def forward(self, m: int, x: Activation, labels: torch.Tensor | None = None, s: int = 0,
+                chunk: int | None = None) -> Activation: ...
 
-    def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False) -> Activation: ...
+    def backward(self, m: int, grad: Activation | None = None, s: int = 0, update: bool = False,
+                 chunk: int | None = None) -> Activation: ...
 
-    def forward_backward(self, m: int, x: Activation, labels: Any, s: int, s_b: int, update: bool) -> Activation: ...
+    def forward_backward(self, m: int, x: Activation, labels: Any, s: int, s_b: int, update: bool,
+                         chunk: int | None = None) -> Activation: ...
 
-    def backward_input(self, m: int, grad: Activation | None = None) -> Activation: ...
+    def backward_input(self, m: int, grad: Activation | None = None, chunk: int | None = None) -> Activation: ...
 
-    def backward_weight(self, m: int, update: bool = False) -> None: ...
+    def backward_weight(self, m: int, update: bool = False, chunk: int | None = None) -> None: ...
 
     def pop_losses(self) -> dict[int, float]: ...
 
@@ -66,12 +71,14 @@ class TransportOptions:
         chunk: micro-batches per actor call (``p2p``, ``compiled``).
         max_in_flight: micro-batches between their stage-0 forward and backward (one call per action).
         gpus_per_stage, cpus_per_stage: what each stage actor holds.
+        virtual: model chunks per stage actor (interleaved 1F1B; ``Transport.hosts_chunks``).
     """
 
     chunk: int = 16
     max_in_flight: int | None = None
     gpus_per_stage: float = 0.0
     cpus_per_stage: float = 1.0
+    virtual: int = 1
 
 
 def make_transport(name: str, options: TransportOptions | None = None) -> Transport:
@@ -97,6 +104,8 @@ class Transport(ABC):
         broken: a failed segment left the actors unusable; the next ``load`` recreates them.
         nccl: the NCCL the path uses (``torch`` or ``ray``, ``rayspec.core.transports``), checked in every stage
             actor at ``start``; ``None``: none.
+        hosts_chunks: whether it runs stage actors that host several model chunks each (virtual stages, interleaved
+            1F1B): each actor runs its rank's actions across its chunks.
         global_norm: the stages' updates wait for the gradient norm over all stages (global clipping, as the
             executor says through ``clip_globally``): the transport gathers every stage's ``grad_norms`` and
             hands them to each stage's ``finish_update`` before any stage acts again.
@@ -108,6 +117,7 @@ class Transport(ABC):
     broken: bool = False
     nccl: str | None = None
     global_norm: bool = False
+    hosts_chunks: bool = False
 
     @classmethod
     @abstractmethod
