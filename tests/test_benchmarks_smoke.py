@@ -161,8 +161,12 @@ def test_microbatches_and_ideal():
     compute = peer_setup.profile_stages(parts, TINY, repeats=2)
     assert set(compute) == {(k, kind) for k in (0, 1) for kind in "FBIW"}
     assert all(v > 0 for key, v in compute.items() if key != (0, "I"))  # stage 0 needs no input gradient
+    chunks, chunk_balance = peer_setup.build_parts(TINY, 4)  # interleaved: 2 chunks per rank
+    assert len(chunks) == 4 and sum(chunk_balance) == 7
+    chunk_compute = peer_setup.profile_stages(chunks, TINY, repeats=2)
     for runner in peer_setup.RAYSPEC_RUNNERS:
-        assert peer_setup.ideal_step_s(runner, TINY.microbatches, compute) > 0
+        durations = chunk_compute if peer_setup.chunks_per_rank(runner) > 1 else compute
+        assert peer_setup.ideal_step_s(runner, TINY.microbatches, durations) > 0
     with pytest.raises(ValueError, match="interleaved"):
         peer_setup.ideal_step_s("interleaved", TINY.microbatches, compute)
 
@@ -179,12 +183,14 @@ def test_torch_sleep_pipeline_efficiency():
 
 
 def test_torch_schedule_bubbles_on_split_sleep_stages():
-    """torch's 1F1B and ZB-H1 over 2 sleep stages whose backward splits into I and W: a row per schedule with its
-    formula; the measured bubble is no lower than the formula's (sleeps are lower bounds) and below 1."""
-    rows = schedules.measure_torch(["1f1b", "zb1p"], 2, [4], 0.01, 0.01, 0.01, repeats=1, timeout_s=120)
-    assert [(r["method"], r["torch"]) for r in rows] == [("1f1b", "Schedule1F1B"),
-                                                         ("zb1p", "ScheduleInterleavedZeroBubble")]
-    assert [r["formula"] for r in rows] == [pytest.approx(1 / 4), pytest.approx(1 / 12, abs=1e-4)]
+    """torch's 1F1B, ZB-H1 and interleaved 1F1B (2 blocks per rank) over 2 sleep ranks whose backward splits into I
+    and W: a row per schedule with its formula; the measured bubble is no lower than the formula's (sleeps are lower
+    bounds) and below 1."""
+    rows = schedules.measure_torch(["1f1b", "zb1p", "interleaved"], 2, [4], 0.01, 0.01, 0.01, repeats=1, timeout_s=120)
+    assert [(r["method"], r["torch"], r["virtual"]) for r in rows] == [
+        ("1f1b", "Schedule1F1B", 1), ("zb1p", "ScheduleInterleavedZeroBubble", 1),
+        ("interleaved", "ScheduleInterleaved1F1B", 2)]
+    assert [r["formula"] for r in rows] == [pytest.approx(1 / 4), pytest.approx(1 / 12, abs=1e-4), pytest.approx(1 / 8)]
     for r in rows:
         assert r["formula"] - 0.02 < r["bubble_median"] < 1.0, r
 
@@ -216,19 +222,37 @@ def test_split_sleep_block_sleeps_i_and_w_apart():
 
 
 def test_torch_peer_trains():
-    """Both torch schedules give finite losses, a positive throughput, and restart bit-exactly after a reset."""
+    """Every torch schedule gives finite losses, a positive throughput, and restarts bit-exactly after a reset;
+    interleaved 1F1B runs 2 chunks per rank (4 stages)."""
     parts, _ = peer_setup.build_parts(TINY)
-    with torch_peer.TorchPeer(parts, TINY, timeout_s=120) as tp:
+    chunks, _ = peer_setup.build_parts(TINY, 4)
+    with torch_peer.TorchPeer(parts, TINY, timeout_s=120, chunks=chunks) as tp:
         for name in torch_peer.RUN_HERE:
             seconds, losses = tp.steps(name, 2)
             assert seconds > 0 and len(losses) == 2 and all(math.isfinite(v) for v in losses)
             assert TINY.batch * 2 / seconds > 0
             kinds = "FIW" if name == "zb1p" else "FB"  # zb1p: the backward split; stage 0 has no input gradient
             assert tp.last_cpu_s["ranks"] >= 0
-            assert all(tp.last_busy_s[(r, kind)] > 0 for r in (0, 1) for kind in kinds if (r, kind) != (0, "I"))
+            stages = range(2 * peer_setup.chunks_per_rank(name))
+            assert all(tp.last_busy_s[(k, kind)] > 0 for k in stages for kind in kinds if (k, kind) != (0, "I"))
             tp.reset(name)
             assert tp.steps(name, 2)[1] == losses
         assert tp.hop_s((4, 64), count=5) > 0
+
+
+@pytest.mark.slow
+def test_rayspec_interleaved_vs_torch_compare(ray_session):
+    """rayspec's interleaved (2 chunks per stage actor, p2p) trains to torch ScheduleInterleaved1F1B's losses on the
+    same 4 chunks; a transport whose actors host one stage gives a refusal row that names p2p."""
+    chunks, _ = peer_setup.build_parts(TINY, 4)
+    parts, _ = peer_setup.build_parts(TINY)
+    with torch_peer.TorchPeer(parts, TINY, timeout_s=120, chunks=chunks) as tp:
+        row = peer.compare(chunks, TINY, tp, "interleaved", "p2p", steps=2, warmup=1, repeats=1, cpus_per_stage=0.5)
+        no = peer.compare(chunks, TINY, tp, "interleaved", "object_store", steps=2, warmup=1, repeats=1,
+                          cpus_per_stage=0.5)
+    assert row["torch"] == "interleaved" and row["like_for_like"] and row["max_loss_diff"] < 1e-5, row
+    assert set(row["rayspec_busy_ms"]) == set(row["torch_busy_ms"]) == {f"{k}{kind}" for k in range(4) for kind in "FBIW"}
+    assert "pipeline.transport=p2p" in no["error"]
 
 
 @pytest.mark.slow

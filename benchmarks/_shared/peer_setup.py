@@ -1,4 +1,5 @@
-"""What the peer benchmarks train: the model cut into 2 stages, the batches, and the schedules of each runner."""
+"""What the peer benchmarks train: the model cut into 2 stages (4 chunks for interleaved), the batches, and the
+schedules of each runner."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ IMAGE = DataInfo("image", 10, (3, 32, 32))
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb1p": "ScheduleInterleavedZeroBubble",
                    "interleaved": "ScheduleInterleaved1F1B"}
 """The torch schedules the runners are paired with, by the name the rows give them."""
-RAYSPEC_RUNNERS = ("gpipe", "1f1b", "zb1p", "spectrain", "spectrain-grouped")
+RAYSPEC_RUNNERS = ("gpipe", "1f1b", "zb1p", "interleaved", "spectrain", "spectrain-grouped")
 """The runners the Ray executor runs."""
-NOT_ON_RAY = ("interleaved",)
-"""Runners whose row says why they are not run on Ray (the executor's refusal), rather than missing."""
+NOT_ON_RAY: tuple[str, ...] = ()
+"""Runners whose row says why they are not run on Ray (the executor's refusal), rather than missing: none now."""
+CHUNKS_PER_RANK = {"interleaved": 2}
+"""Model chunks per rank of the runners (and torch schedules) that run several: rank r holds chunks r, r + 2."""
 ALIASES = {"1f1b-flushed": "1f1b"}
 """Former runner names (results files name them): the same runner."""
 # rayspec runner -> torch schedule
@@ -58,12 +61,18 @@ class PeerConfig:
 
 
 # ----------------------------------------------------------------------------- shared set-up
-def build_parts(cfg: PeerConfig) -> tuple[list[nn.Sequential], list[int]]:
-    """The model of ``cfg`` cut into 2 stages by parameters, and the block counts."""
+def build_parts(cfg: PeerConfig, chunks: int = 2) -> tuple[list[nn.Sequential], list[int]]:
+    """The model of ``cfg`` cut into ``chunks`` stages by parameters (2, or 4 for 2 chunks per rank), and the block
+    counts."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, IMAGE, cfg.size)
-    balance = by_parameters(model, 2)
+    balance = by_parameters(model, chunks)
     return split(model, balance), balance
+
+
+def chunks_per_rank(runner: str) -> int:
+    """Model chunks per rank of ``runner`` (``CHUNKS_PER_RANK``, 1 for the others)."""
+    return CHUNKS_PER_RANK.get(runner_name(runner), 1)
 
 
 def make_batches(cfg: PeerConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -106,7 +115,7 @@ def rayspec_schedule(runner: str, m: int, batches: int) -> Schedule:
         return build_schedule("1f1b", 2, m * batches)
     if runner == "spectrain-grouped":
         return build_schedule("1f1b", 2, m * batches, group=m)
-    return build_schedule(METHODS[runner].schedule or runner, 2, m * batches, group=m, virtual=2 if runner == "interleaved" else 1)
+    return build_schedule(METHODS[runner].schedule or runner, 2, m * batches, group=m, virtual=chunks_per_rank(runner))
 
 
 def profile_stages(parts: Sequence[nn.Module], cfg: PeerConfig, repeats: int = 10) -> dict[tuple[int, str], float]:
@@ -152,7 +161,10 @@ def profile_stages(parts: Sequence[nn.Module], cfg: PeerConfig, repeats: int = 1
 
 
 def ideal_step_s(runner: str, m: int, durations: dict[tuple[int, str], float], batches: int = 4) -> float:
-    """Ideal seconds per batch of a runner's schedule (no communication cost) under ``durations``."""
-    if runner_name(runner) in NOT_ON_RAY:  # its chunks are not the 2 stages the durations are of
-        raise ValueError(f"runner={runner!r} has no ideal step from 2 stages' durations")
-    return rayspec_schedule(runner, m, batches).makespan(durations) / batches
+    """Ideal seconds per batch of a runner's schedule (no communication cost) under ``durations`` of its stages
+    (``profile_stages`` of the parts it runs: 4 chunks for interleaved)."""
+    schedule = rayspec_schedule(runner, m, batches)
+    if {k for k, _ in durations} != set(range(schedule.stages)):
+        raise ValueError(f"runner={runner!r} runs {schedule.stages} stages; give the durations of those "
+                         f"(profile_stages of build_parts(cfg, {schedule.stages}))")
+    return schedule.makespan(durations) / batches

@@ -1,4 +1,4 @@
-"""rayspec on the peer benchmark's 2 stages: one runner on a ``RayExecutor`` (``RayspecRunner``)."""
+"""rayspec on the peer benchmark's 2 stage actors: one runner on a ``RayExecutor`` (``RayspecRunner``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from rayspec.core.stage_spec import StageSpec
 
 
 class RayspecRunner:
-    """One rayspec runner on a ``RayExecutor`` with 2 stage actors; needs ``ray.init()`` first."""
+    """One rayspec runner on a ``RayExecutor`` with 2 stage actors; needs ``ray.init()`` first. ``parts``: the runner's
+    stages (4 chunks for interleaved: ``build_parts(cfg, 4)``, actor r holding chunks r and r + 2)."""
 
     def __init__(self, parts: Sequence[nn.Module], cfg: PeerConfig, runner: str, transport: str,
                  cpus_per_stage: float = 1.0) -> None:
@@ -32,12 +33,14 @@ class RayspecRunner:
 
         self.runner, self.cfg = runner_name(runner), cfg
         method = runner_method(runner)
-        self.group = rayspec_schedule(runner, cfg.microbatches, 1).group
+        schedule = rayspec_schedule(runner, cfg.microbatches, 1)
+        self.group = schedule.group
         spec = StageSpec(lr=cfg.lr, optim=OptimSpec(momentum=cfg.momentum), group=self.group)
         stages = make_stages([copy.deepcopy(p) for p in parts], method, spec)
         self.batches = make_batches(cfg)
         self.done = 0
-        self.executor = RayExecutor(stages, method, transport=transport, cpus_per_stage=cpus_per_stage)
+        self.executor = RayExecutor(stages, method, transport=transport, cpus_per_stage=cpus_per_stage,
+                                    virtual=schedule.virtual)
         import ray
 
         self.stage_pids = ray.get([a.__ray_call__.remote(lambda _self: os.getpid()) for a in self.executor.actors])

@@ -3,7 +3,7 @@
     python -m benchmarks.efficiency [--quick] [--stages 2,4] [--transports p2p,compiled,object_store] [--no-torch]
                                     [--microbatches 32] [--forward-ms 20] [--backward-ms 40]
                                     [--real-stages 2] [--real-model mlp] [--real-size full] [--real-batch 64]
-    python -m benchmarks.efficiency --schedules gpipe,1f1b,zb1p [--microbatches 8,16] [--stages 4]
+    python -m benchmarks.efficiency --schedules gpipe,1f1b,zb1p,interleaved [--microbatches 8,16] [--stages 4]
 
 ``--schedules``: each schedule's measured bubble against its formula, rayspec beside torch
 (``benchmarks.efficiency.schedules``), into ``efficiency_schedules.json``; the rest of this text is the default mode.
@@ -183,7 +183,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--transports", default="p2p,compiled,object_store")
     ap.add_argument("--microbatches", default=None, help="micro-batches per run (default 32; --schedules: 8,16)")
     ap.add_argument("--schedules", default=None,
-                    help="methods whose bubble to measure against its formula, beside torch's (e.g. gpipe,1f1b,zb1p)")
+                    help="methods whose bubble to measure against its formula, beside torch's (e.g. gpipe,1f1b,zb1p,"
+                         "interleaved)")
+    ap.add_argument("--virtual", type=int, default=2, help="--schedules: blocks per rank of interleaved")
     ap.add_argument("--forward-ms", type=float, default=20.0)
     ap.add_argument("--backward-ms", type=float, default=40.0)
     ap.add_argument("--repeats", type=int, default=5)
@@ -235,17 +237,17 @@ def schedule_bubbles(args: argparse.Namespace) -> None:
         ms = [min(ms)]
     f, i = args.forward_ms / 1e3, args.backward_ms / 2e3
     load = os.getloadavg()
-    rows = bubbles.measure_torch(methods, n, ms, f, i, i, repeats) if args.torch else []
+    rows = bubbles.measure_torch(methods, n, ms, f, i, i, repeats, virtual=args.virtual) if args.torch else []
     start_ray()
-    rows += [bubbles.measure_rayspec(s, n, m, f, i, i, repeats) for s in methods for m in ms]
+    rows += [bubbles.measure_rayspec(s, n, m, f, i, i, repeats, virtual=args.virtual) for s in methods for m in ms]
     rows.sort(key=lambda r: (r["microbatches"], methods.index(r["method"]), r["side"] != "torch"))
     print(f"N={n} sleep stages, F={args.forward_ms:g} ms, I=W={args.backward_ms / 2:g} ms (B=I+W), "
           f"{repeats} batches each; bubble = idle/busy of the ranks:")
-    print(table(rows, ["microbatches", "method", "side", "torch", "formula", "bubble_median", "bubble_min",
+    print(table(rows, ["microbatches", "method", "side", "torch", "virtual", "formula", "bubble_median", "bubble_min",
                        "bubble_max", "off_by", "ideal_s", "median_s"]))
     path = write("efficiency_schedules", {
         "forward_ms": args.forward_ms, "input_ms": args.backward_ms / 2, "weight_ms": args.backward_ms / 2,
-        "stages": n, "repeats": repeats, "loadavg_before": [round(v, 2) for v in load],
+        "stages": n, "virtual": args.virtual, "repeats": repeats, "loadavg_before": [round(v, 2) for v in load],
         "loadavg_after": [round(v, 2) for v in os.getloadavg()], "cpu_count": os.cpu_count(), "rows": rows},
         quick=args.quick)
     print(f"wrote {path}")

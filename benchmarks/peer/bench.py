@@ -24,8 +24,10 @@ momentum, 1 torch thread per stage process and nothing else of theirs running.
   - ``zb1p``: ``pipeline.method=zb1p``, ZB-H1 (the backward split into I and W, W deferred into the
     drain's bubble), flushed every batch: torch's ``ScheduleInterleavedZeroBubble`` order with one
     stage per rank; runs on the ``p2p`` transports only (the others refuse a split backward).
-  - ``interleaved``: a row with the Ray executor's refusal (2 model chunks per rank run on the local
-    executor only), never silently missing; torch's ``ScheduleInterleaved1F1B`` is its peer once it runs.
+  - ``interleaved``: ``pipeline.method=interleaved`` with 2 model chunks per stage actor (the model cut into 4 by
+    parameters, actor r holding chunks r and r + 2), flushed every batch: torch's ``ScheduleInterleaved1F1B`` with
+    the same 4 chunks, 2 ``PipelineStage`` objects per rank; ``p2p`` transports only (on the others its row holds
+    the refusal, as does any runner a transport cannot run).
   - ``spectrain``: asynchronous 1F1B with weight prediction, one update per micro-batch
     (``M`` updates per batch) and no flush between batches: rayspec's method, not
     like-for-like (different optimisation, no bubble between batches, prediction work).
@@ -72,6 +74,7 @@ from benchmarks._shared.peer_setup import (
     TORCH_SCHEDULES,
     PeerConfig,
     build_parts,
+    chunks_per_rank,
     ideal_step_s,
     profile_stages,
     rayspec_schedule,
@@ -81,7 +84,7 @@ from benchmarks._shared.processes import start_ray
 from benchmarks._shared.rayspec_peer import RayspecRunner
 from benchmarks._shared.results import table, write
 from benchmarks._shared.torch_peer import TorchPeer
-from rayspec.core.schedule import ScheduleError
+from rayspec.errors import RayspecError
 
 
 # ----------------------------------------------------------------------------- the comparison
@@ -98,10 +101,16 @@ def compare(parts: Sequence[nn.Module], cfg: PeerConfig, peer: TorchPeer, runner
         return refused(parts, cfg, runner, transport, cpus_per_stage)
     torch_name = PEER_OF[runner]
     peer.reset(torch_name)
-    ours = RayspecRunner(parts, cfg, runner, transport, cpus_per_stage)
+    try:
+        ours = RayspecRunner(parts, cfg, runner, transport, cpus_per_stage)
+    except RayspecError as e:  # e.g. model chunks per actor on a transport whose actors host one stage
+        return _refusal(runner, transport, e)
     try:
         _, tl = peer.steps(torch_name, warmup)
-        _, rl = ours.steps(warmup)
+        try:
+            _, rl = ours.steps(warmup)
+        except RayspecError as e:  # e.g. a split backward on a transport that runs none
+            return _refusal(runner, transport, e)
         before = ours.executor.stage_stats()
         t_times, r_times, t_losses, r_losses = [], [], list(tl), list(rl)
         t_cpu: list[dict[str, float]] = []
@@ -148,17 +157,23 @@ def compare(parts: Sequence[nn.Module], cfg: PeerConfig, peer: TorchPeer, runner
 def refused(parts: Sequence[nn.Module], cfg: PeerConfig, runner: str, transport: str,
             cpus_per_stage: float = 1.0) -> dict:
     """The row of a runner the Ray executor refuses (``NOT_ON_RAY``): the refusal, in place of the figures."""
-    ours = RayspecRunner(parts, cfg, runner, transport, cpus_per_stage)
+    try:
+        ours = RayspecRunner(parts, cfg, runner, transport, cpus_per_stage)
+    except RayspecError as e:
+        return _refusal(runner, transport, e)
     try:
         ours.steps(1)
-    except ScheduleError as e:
-        error = f"refused: {e}"
-    else:
-        raise RuntimeError(f"runner {runner} ran on Ray: pair it with torch's {TORCH_SCHEDULES[PEER_OF[runner]]}")
+    except RayspecError as e:
+        return _refusal(runner, transport, e)
     finally:
         ours.close()
+    raise RuntimeError(f"runner {runner} ran on Ray: pair it with torch's {TORCH_SCHEDULES[PEER_OF[runner]]}")
+
+
+def _refusal(runner: str, transport: str, error: Exception) -> dict:
+    """A row that holds the refusal of a runner on a transport, in place of the figures."""
     return {"runner": runner, "transport": transport, "torch": PEER_OF[runner],
-            "like_for_like": LIKE_FOR_LIKE[runner], "error": error}
+            "like_for_like": LIKE_FOR_LIKE[runner], "error": f"refused: {error}"}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -188,10 +203,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     transports = [t for t in args.transports.split(",") if t]
     torch.set_num_threads(1)
     parts, balance = build_parts(cfg)
+    chunks, chunk_balance = build_parts(cfg, 4) if any(chunks_per_rank(r) > 1 for r in runners) else ([], [])
     m = cfg.microbatches
     mb_shape = (cfg.batch // m, *IMAGE.input_shape)
     act_shape = tuple(parts[0](torch.zeros(mb_shape)).shape)
     compute = profile_stages(parts, cfg)
+    chunk_compute = profile_stages(chunks, cfg) if chunks else {}
     print(f"model {cfg.model} ({cfg.size}) split {balance}; batch {cfg.batch} in {m} micro-batches of {mb_shape[0]}; "
           f"activation {list(act_shape)} ({math.prod(act_shape) * 4 / 1024:.0f} KiB); {steps} steps x {repeats} pairs")
     print("compute alone, ms per micro-batch: " + ", ".join(f"stage {k} {kind} {v * 1e3:.2f}"
@@ -201,7 +218,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows: list[dict] = []
     refusals: list[dict] = []
     hops: dict[str, float] = {}
-    with TorchPeer(parts, cfg) as peer:
+    if chunks:
+        print(f"interleaved: 4 chunks {chunk_balance}, rank r holding chunks r and r + 2; compute alone, ms: "
+              + ", ".join(f"chunk {k} {kind} {v * 1e3:.2f}" for (k, kind), v in chunk_compute.items()))
+    with TorchPeer(parts, cfg, chunks=chunks) as peer:
         hops["torch gloo send/recv"] = peer.hop_s(act_shape)
         start_ray(2)
         try:
@@ -209,14 +229,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                 hops[f"ray {transport}"] = ray_hop_s(transport, act_shape)
             for transport in transports:
                 for runner in runners:
-                    row = compare(parts, cfg, peer, runner, transport, steps=steps, warmup=args.warmup,
-                                  repeats=repeats)
+                    chunked = chunks_per_rank(runner) > 1
+                    row = compare(chunks if chunked else parts, cfg, peer, runner, transport, steps=steps,
+                                  warmup=args.warmup, repeats=repeats)
                     if "error" in row:
                         refusals.append(row)
                         print(f"  {runner} on {transport}: {row['error']}")
                         continue
-                    row["ideal_step_ms"] = ideal_step_s(runner, m, compute) * 1e3
-                    row["torch_ideal_step_ms"] = ideal_step_s(row["torch"], m, compute) * 1e3
+                    durations = chunk_compute if chunked else compute
+                    row["ideal_step_ms"] = ideal_step_s(runner, m, durations) * 1e3
+                    row["torch_ideal_step_ms"] = ideal_step_s(row["torch"], m, durations) * 1e3
                     row["actions_per_batch"] = sum(len(a) for a in rayspec_schedule(runner, m, 1).actions)
                     rows.append(row)
                     print(f"  {runner} on {transport}: rayspec {row['rayspec_samples_per_s']:.0f} samples/s, "
@@ -232,10 +254,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "max |loss diff|": "-" if r["max_loss_diff"] is None else f"{r['max_loss_diff']:.1e}",
     } for r in rows], ["rayspec", "transport", "vs torch", "like-for-like", "rayspec s/s", "torch s/s", "ratio",
                        "pairs", "max |loss diff|"]))
-    for r in rows:  # the slower stage's busy time per batch, and the rest of the batch (waiting)
+    for r in rows:  # the slower rank's busy time per batch (its chunks together), and the rest of the batch (waiting)
         for side in ("rayspec", "torch"):
             b = r[f"{side}_busy_ms"]
-            r[f"{side}_bottleneck_busy_ms"] = max(m * sum(b[f"{k}{kind}"] for kind in "FBIW") for k in range(2))
+            r[f"{side}_bottleneck_busy_ms"] = max(m * sum(v for key, v in b.items() if int(key[:-1]) % 2 == rank)
+                                                  for rank in range(2))
             r[f"{side}_idle_ms"] = r[f"{side}_step_ms"] - r[f"{side}_bottleneck_busy_ms"]
     print("\nwhere the time goes, ms per batch of M micro-batches (ideal: the schedule's makespan from the compute "
           "alone; eff = ideal / measured; busy: the slower stage's time inside its actions; idle = batch - busy):")
@@ -262,14 +285,17 @@ def main(argv: Sequence[str] | None = None) -> None:
           "I and W: the backward split, zb1p):")
     keys = list(rows[0]["rayspec_busy_ms"]) if rows else []
     print(table([{"runner": "compute alone", "transport": "-",
-                  **{k: f"{compute[(int(k[0]), k[1])] * 1e3:.1f}" for k in keys}}]
+                  **{k: f"{compute[(int(k[:-1]), k[-1])] * 1e3:.1f}" for k in keys if (int(k[:-1]), k[-1]) in compute}}]
                 + [{"runner": f"rayspec {r['runner']}", "transport": r["transport"],
                     **{k: f"{r['rayspec_busy_ms'][k]:.1f}" for k in keys}} for r in rows]
                 + [{"runner": f"torch {r['torch']}", "transport": f"(paired with {r['runner']}/{r['transport']})",
                     **{k: f"{r['torch_busy_ms'][k]:.1f}" for k in keys}} for r in rows],
                 ["runner", "transport", *keys]))
     print("\none hop of the activation, ms: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in hops.items()))
-    path = write(args.out, {"config": asdict(cfg), "worker_niceness": os.environ.get("RAY_worker_niceness", "15"), "balance": balance, "steps": steps, "warmup": args.warmup,
+    path = write(args.out, {"config": asdict(cfg), "worker_niceness": os.environ.get("RAY_worker_niceness", "15"), "balance": balance,
+                          "chunk_balance": chunk_balance, "chunk_compute_ms": {f"{k}{kind}": v * 1e3
+                                                                               for (k, kind), v in chunk_compute.items()},
+                          "steps": steps, "warmup": args.warmup,
                           "repeats": repeats, "activation_shape": list(act_shape),
                           "compute_ms": {f"{k}{kind}": v * 1e3 for (k, kind), v in compute.items()},
                           "hop_ms": {k: v * 1e3 for k, v in hops.items()}, "rows": rows, "refused": refusals},
