@@ -222,6 +222,8 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("peer", "python -m benchmarks.peer", peer),
     ("peer_schedules", "python -m benchmarks.peer --runners 1f1b,zb1p,interleaved --transports p2p --out peer_schedules",
      peer),
+    ("peer_interleaved", "python -m benchmarks.peer --runners 1f1b,zb1p,interleaved --transports p2p "
+     "--out peer_interleaved", peer),
     ("peer_optim", "python -m benchmarks.peer --transports p2p --runners 1f1b-flushed,spectrain,spectrain-grouped "
      "--out peer_optim", peer),
     ("peer_nice0", "python -m benchmarks.peer --transports object_store --runners gpipe,1f1b-flushed "
@@ -239,6 +241,9 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
      "--stages 4 --forward-ms 100 --backward-ms 200 --repeats 3", _rows),
     ("efficiency_schedules_20ms", "python -m benchmarks.efficiency --schedules gpipe,1f1b,zb1p --microbatches 8,16 "
      "--stages 4 --forward-ms 20 --backward-ms 40 (written as efficiency_schedules.json, renamed)", _rows),
+    ("efficiency_schedules_interleaved", "python -m benchmarks.efficiency --schedules gpipe,1f1b,zb1p,interleaved "
+     "--microbatches 8,16 --stages 4 --virtual 2 --forward-ms 100 --backward-ms 200 --repeats 3 "
+     "--out efficiency_schedules_interleaved", _rows),
     ("partition", "python -m benchmarks.partition --holdout", partition),
     ("recovery", "python -m benchmarks.recovery", recovery),
     ("recovery_object_store", "python -m benchmarks.recovery --transport object_store --out recovery_object_store",

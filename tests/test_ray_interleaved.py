@@ -120,6 +120,17 @@ def test_interleaved_on_p2p_is_sgd_at_two_stage_actors(ray_session, deep):
         ex.close()
 
 
+@pytest.mark.slow
+def test_interleaved_on_one_stage_actor_keeps_its_chunks_values_local(ray_session, deep):
+    """One actor of two chunks: stage 0's activation and stage 1's gradient never leave the actor."""
+    model, data = deep
+    ex = _executor(model, 1)
+    try:
+        _equal_to_sgd_and_local(ex, model, data, 1)
+    finally:
+        ex.close()
+
+
 @pytest.fixture(scope="module")
 def four(ray_session, deep):
     ex = _executor(deep[0], 4)

@@ -186,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="methods whose bubble to measure against its formula, beside torch's (e.g. gpipe,1f1b,zb1p,"
                          "interleaved)")
     ap.add_argument("--virtual", type=int, default=2, help="--schedules: blocks per rank of interleaved")
+    ap.add_argument("--out", default=None,
+                    help="result name: benchmarks/results/OUT.json (default efficiency, --schedules: efficiency_schedules)")
     ap.add_argument("--forward-ms", type=float, default=20.0)
     ap.add_argument("--backward-ms", type=float, default=40.0)
     ap.add_argument("--repeats", type=int, default=5)
@@ -222,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"real compute ({real[0]['model']}, batch {args.real_batch}, one thread per stage):")
     print(table(real, ["schedule", "transport", "model", "stages", "microbatches", "ideal_s", "median_s", "efficiency_median",
                        "efficiency_best", "overhead_ms_per_action", *[k for k in real[0] if k.endswith("_ms")]]))
-    path = write("efficiency", {"forward_ms": args.forward_ms, "backward_ms": args.backward_ms,
+    path = write(args.out or "efficiency", {"forward_ms": args.forward_ms, "backward_ms": args.backward_ms,
                                 "rows": rows, "real": real}, quick=args.quick)
     print(f"wrote {path}")
 
@@ -245,7 +247,7 @@ def schedule_bubbles(args: argparse.Namespace) -> None:
           f"{repeats} batches each; bubble = idle/busy of the ranks:")
     print(table(rows, ["microbatches", "method", "side", "torch", "virtual", "formula", "bubble_median", "bubble_min",
                        "bubble_max", "off_by", "ideal_s", "median_s"]))
-    path = write("efficiency_schedules", {
+    path = write(args.out or "efficiency_schedules", {
         "forward_ms": args.forward_ms, "input_ms": args.backward_ms / 2, "weight_ms": args.backward_ms / 2,
         "stages": n, "virtual": args.virtual, "repeats": repeats, "loadavg_before": [round(v, 2) for v in load],
         "loadavg_after": [round(v, 2) for v in os.getloadavg()], "cpu_count": os.cpu_count(), "rows": rows},
