@@ -98,8 +98,9 @@ class P2PEndpoint:
 
     def join(self, address: str, port: int, rank: int, world: int, timeout_s: float, capacity: int = CAPACITY,
              backend: str = "gloo", device: str | None = None, ring: bool = False) -> None:
-        """Join the stage actors' groups as ``rank`` (the stage index): the gloo group of the headers and, per pair of
-        neighbours and direction, a data group of the two on ``backend`` (``gloo`` or ``nccl``: a communicator of
+        """Join the stage actors' groups as ``rank`` (the stage actor's index: its stage, or the first of its model
+        chunks): the gloo group of the headers and, per directed link of neighbours and direction, a data group of the
+        two on ``backend`` (``gloo`` or ``nccl``: a communicator of
         the two ranks only, created when they first exchange a message); ``device``: where received tensors go
         (the stage's device by default); ``capacity``: bytes of a pooled buffer at the least; ``ring``: the last
         rank is the first's neighbour too (virtual stages: ``data_links``)."""
