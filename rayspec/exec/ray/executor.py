@@ -43,7 +43,7 @@ class RayExecutor(Executor):
             and backward; raised to what the schedule itself needs; default twice that.
         chunk: ``compiled`` and ``p2p``: micro-batches per actor call (per execution of the compiled graph).
         placement_group: a group to place the stages in (e.g. a Tune trial's), stage ``k`` in
-            bundle ``bundle_offset + k``; by default the executor creates and owns one.
+            bundle ``bundle_offset + k``, or ``bundles[k]`` when given; by default the executor creates and owns one.
         placement_strategy: ``PACK`` or ``SPREAD`` for the group it creates.
     """
 
@@ -61,6 +61,7 @@ class RayExecutor(Executor):
         bundle_offset: int = 0,
         placement_strategy: str = "PACK",
         chunk: int = 16,
+        bundles: Sequence[int] | None = None,
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("call ray.init() before creating a RayExecutor")
@@ -71,9 +72,10 @@ class RayExecutor(Executor):
         self._owns_pg = placement_group is None
         if placement_group is None:
             placement_group = reserve_stages(self.num_stages, cpus_per_stage, gpus_per_stage, placement_strategy)
-            bundle_offset = 0
+            bundle_offset, bundles = 0, None
         self.pg = placement_group
-        self._resources = (cpus_per_stage, gpus_per_stage, bundle_offset)
+        self._resources = (cpus_per_stage, gpus_per_stage)
+        self._bundles = list(bundles) if bundles is not None else [bundle_offset + k for k in range(self.num_stages)]
         self._clipping(stages)
         self.actors = [self._spawn(k, stage) for k, stage in enumerate(stages)]
         ray.get([a.stats.remote() for a in self.actors])  # wait until every actor is up
@@ -95,13 +97,13 @@ class RayExecutor(Executor):
 
     def _spawn(self, k: int, stage: Stage) -> Any:
         """A stage actor for stage ``k`` in its bundle."""
-        cpus, gpus, offset = self._resources
+        cpus, gpus = self._resources
         env = {"env_vars": dict(self.link.env)} if self.link.env else None
         return StageActor.options(  # type: ignore[attr-defined]
             num_cpus=cpus,
             num_gpus=gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                                 placement_group_bundle_index=offset + k),
+                                                                 placement_group_bundle_index=self._bundles[k]),
             runtime_env=env,
         ).remote(stage, max(1, int(cpus)))
 
