@@ -271,8 +271,10 @@ def table(inputs: Path, work: Path) -> str:
 
 
 if __name__ == "__main__":
+    import logging
     import tempfile
 
+    logging.getLogger("rayspec").setLevel(logging.ERROR)  # the page holds the table only, not the runs' warnings
     with tempfile.TemporaryDirectory() as tmp:
         make_inputs(Path(tmp) / "inputs")
         sys.stdout.write(table(Path(tmp) / "inputs", Path(tmp)))

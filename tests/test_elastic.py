@@ -17,6 +17,7 @@ from rayspec.training import RunFailed, run_training
 from rayspec.training.context import RunContext
 from rayspec.training.elastic import MIN_STAGES, shrunk
 from rayspec.training.prepare import prepare
+from rayspec.training.summary import RunSummary
 
 
 def settings(method: str = "gpipe", stages: int = 3, **pipeline) -> dict:
@@ -89,3 +90,25 @@ def test_the_resplit_reference_equals_the_uninterrupted_run(tmp_path):
     assert {k: change[k] for k in ("update", "from_stages", "to_stages", "from", "to")} == {
         "update": 8, "from_stages": 3, "to_stages": 2, "from": [3, 2, 2], "to": [4, 3]}
     assert full["layout_changes"] == [] and summary["stages"] == 2
+    typed = RunSummary.read(tmp_path / "resplit")  # a typed field, in the file's place: after resumed_from
+    assert typed.layout_changes == summary["layout_changes"] and RunSummary.read(tmp_path / "full").layout_changes == []
+    keys = list(typed.to_dict())
+    assert keys.index("layout_changes") == keys.index("resumed_from") + 1 and keys == list(summary)
+
+
+def test_the_bundles_of_a_whole_group_are_confirmed_and_the_capacity_counts_live_nodes(ray_session):
+    """On one live node: every bundle of a placed group answers; the node's 2 CPUs hold two 1-CPU bundles, four of
+    half a CPU, none of 3 CPUs (a lost node: ``tests/test_node_loss.py``)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from rayspec.exec.ray.cluster import bundle_capacity, placed_bundles, wait_for_bundles
+
+    group = placement_group([{"CPU": 0.5}] * 2)
+    try:
+        assert wait_for_bundles(group, [0, 1], timeout_s=60) == [0, 1]
+        assert placed_bundles(group, [0, 1]) == [0, 1]
+    finally:
+        remove_placement_group(group)
+    assert placed_bundles(group, [0, 1]) == []  # a removed group holds none
+    assert (bundle_capacity({"CPU": 1.0}), bundle_capacity({"CPU": 0.5}), bundle_capacity({"CPU": 3.0})) == (2, 4, 0)
+    assert bundle_capacity({"CPU": 1.0, "GPU": 1.0}) == 0  # no GPU here

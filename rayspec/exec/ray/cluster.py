@@ -124,7 +124,12 @@ def wait_for_bundles(group: PlacementGroup, bundles: Sequence[int], timeout_s: f
             pending = {ref: b for b, ref in asked.items() if b not in answered}
             if pending:
                 done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=poll_s)
-                answered.update(pending[ref] for ref in done)
+                for ref in done:
+                    try:
+                        ray.get(ref)
+                        answered.add(pending[ref])
+                    except Exception:  # failed with its node: ask again where Ray places the bundle now
+                        del asked[pending[ref]]
             placed = [b for b in bundles if b in answered]
             if len(placed) == len(bundles):
                 return placed
