@@ -196,7 +196,7 @@ def recovery_nodes(d: dict[str, Any]) -> list[str]:
     runs = d["node_loss"]
     first = next(iter(runs.values()))
     rows = [[f"{name} ({r['stages'][0]} → {r['stages'][1]} stages)", r["seen_s"], r["running_again_s"],
-             ", ".join(map(str, r["resumed_from"])), r["updates_redone"], r["restarts"],
+             r["placement_wait_s"], ", ".join(map(str, r["resumed_from"])), r["updates_redone"], r["restarts"],
              "equal" if r["equal"] else ("to rounding" if r["close"] else "no"), r["max_diff"]] for name, r in runs.items()]
     return [f"A Ray node removed under a running gpipe pipeline (`ray.cluster_utils.Cluster` on this machine: a head of "
             f"no CPUs and three worker nodes), at the first loss record of update {first['lose_after']} or later to "
@@ -204,7 +204,8 @@ def recovery_nodes(d: dict[str, Any]) -> list[str]:
             "stage 1's node (2 stages); `driver`: the driver actor's node; `elastic`: stage 1's node of three 1-CPU "
             "nodes with `fault.elastic=true`, not replaced. Weights against the uninterrupted run (`elastic`: re-split "
             "at the same update, on the local executor).", "",
-            *_table(["node lost", "failure seen after s", "running again after s", "resumed from", "updates redone",
+            *_table(["node lost", "failure seen after s", "running again after s", "of which waiting for the bundles s",
+                     "resumed from", "updates redone",
                      "restarts", "weights", "max weight difference"], rows)]
 
 

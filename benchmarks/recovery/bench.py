@@ -77,10 +77,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 def node_table(rows: dict[str, dict]) -> str:
     """The node-loss rows as a table."""
     return table([{"node lost": f"{s} ({r['stages'][0]} -> {r['stages'][1]} stages)", "seen s": f"{r['seen_s']:.1f}",
-                   "running again s": f"{r['running_again_s']:.1f}", "updates redone": r["updates_redone"],
+                   "running again s": f"{r['running_again_s']:.1f}",
+                   "of which bundle wait s": f"{r['placement_wait_s']:.1f}", "updates redone": r["updates_redone"],
                    "restarts": r["restarts"], "weights = reference": "yes" if r["equal"] else
                    ("to rounding" if r["close"] else f"no ({r['max_diff']:.1e})")} for s, r in rows.items()],
-                 ["node lost", "seen s", "running again s", "updates redone", "restarts", "weights = reference"])
+                 ["node lost", "seen s", "running again s", "of which bundle wait s", "updates redone", "restarts",
+                  "weights = reference"])
 
 
 def killed_actors(args: argparse.Namespace) -> dict:
