@@ -315,7 +315,7 @@ class FaultConfig(Section):
     """Times a run whose stage or driver actor died is restarted from its last checkpoint (Ray executor only)."""
     elastic: bool = False
     """When a restart finds that the cluster's live nodes no longer hold a bundle for every stage (a node was lost
-    and not replaced), go on with the stages whose bundles remain, at least 2, re-split from the newest checkpoint
+    and not replaced), go on with as many stages as bundles remain, at least 2, re-split from the newest checkpoint
     (logged, and in ``summary.json``'s ``layout_changes``); false: wait up to 120 s for Ray to place them again,
     then fail naming this setting. Pipeline methods on the Ray executor with ``fault.max_restarts`` > 0."""
 

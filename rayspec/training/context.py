@@ -45,6 +45,11 @@ class RunContext:
     bundles: list[int] | None = None
     """The bundles of ``placement_group`` the stages run in, stage ``k`` in ``bundles[k]``; None: in
     ``bundle_offset + k``. Set when a run goes on with fewer stages after a lost node (``fault.elastic``)."""
+    own_group: bool = False
+    """Whether the run reserved ``placement_group`` itself (not a Tune trial's): then an elastic run replaces it by
+    a smaller one rather than keep a group that Ray cannot place whole."""
+    reserved: Any = None
+    """A placement group the run loop reserved itself (an elastic run's smaller one), removed when the loop ends."""
     resume: dict[str, Any] | None = None
     """The checkpoint the run loop starts from (``load_checkpoint``); None: from the start."""
     started: float = field(default_factory=time.time)

@@ -5,12 +5,15 @@
 (the placement group is ``RESCHEDULING`` until then). Before a restart the run loop asks ``fit_cluster`` whether
 that happened. It waits up to ``REPLACE_TIMEOUT_S`` for the bundles to be placed again; with ``fault.elastic`` it
 does not wait when the live nodes cannot hold them all by their total resources (``bundle_capacity``). When the
-bundles do not all come back, an elastic run goes on with the stages whose bundles remain (at least
-``MIN_STAGES``), in those bundles, with the partition chosen again for that many stages and the checkpoint's state
-re-split onto it (``rayspec.training.resplit``); a run without it fails with a message that names the setting.
-It keeps to the bundles that remain rather than reserving a new group: a Tune trial's group cannot be replaced,
-and a bundle that survived is known to fit. Fewer than 2 stages is refused: on one stage an asynchronous method
-would lose its staleness and become another method, and a one-stage pipeline is a plain sequential run.
+bundles do not all come back, an elastic run goes on with as many stages as bundles remain (at least
+``MIN_STAGES``), with the partition chosen again for that many stages and the checkpoint's state re-split onto it
+(``rayspec.training.resplit``); a run without it fails with a message that names the setting. The run's own group
+is replaced by a new one of that many bundles (Ray keeps trying to place a group that lost a bundle, and its
+control process spends CPU on it all the while: on this machine it slowed actor starts to a minute); a given
+group (a Tune trial's, which also holds the driver actor) cannot be replaced, so there the stages go into the
+bundles that remain. Counting the bundles that survived rather than what the nodes could hold keeps to what is
+known to fit. Fewer than 2 stages is refused: on one stage an asynchronous method would lose its staleness and
+become another method, and a one-stage pipeline is a plain sequential run.
 """
 
 from __future__ import annotations
@@ -78,11 +81,34 @@ def fit_cluster(ctx: RunContext, resume: dict[str, Any] | None) -> str | None:
         raise RunFailed(f"{lost}; fault.elastic goes on with {MIN_STAGES} stages at least: add nodes and rerun with "
                         f"checkpoint.resume=auto (the last checkpoint is {ctx.last_checkpoint() or 'none'})")
     old = list(ctx.prepared.balance)
-    ctx.prepared, ctx.bundles = shrunk(ctx, len(placed)), placed
+    ctx.prepared = shrunk(ctx, len(placed))
+    where = _regroup(ctx, placed)
     log.warning("fault.elastic: %s; going on with %d stages instead of %d from update %d, the partition %s "
-                "re-split onto %s (bundles %s)", lost, len(placed), len(bundles), step, old, ctx.prepared.balance,
-                placed)
+                "re-split onto %s (%s)", lost, len(placed), len(bundles), step, old, ctx.prepared.balance, where)
     return f"fault.elastic: {lost}"
+
+
+def _regroup(ctx: RunContext, placed: list[int]) -> str:
+    """Put the stages of the smaller run where they go: a new group of as many bundles in place of the run's own
+    (Ray keeps trying to place a group that lost a bundle, which costs its control process CPU while it lasts), or
+    the bundles that remain of a given one (a Tune trial's, which holds the driver actor too); says where."""
+    from ray.util.placement_group import remove_placement_group
+
+    from rayspec.exec.ray.cluster import REPLACE_TIMEOUT_S, bundle_resources, reserve_stages
+
+    if not ctx.own_group:
+        ctx.bundles = placed
+        return f"in the bundles that remain, {placed}"
+    cpus, gpus = bundle_resources(ctx.placement_group, placed[0])
+    remove_placement_group(ctx.placement_group)  # its stage actors have gone with their run
+    try:
+        group = reserve_stages(len(placed), cpus, gpus, ctx.config.pipeline.placement.upper(), REPLACE_TIMEOUT_S)
+    except ConfigError as err:
+        raise RunFailed(f"fault.elastic could not reserve {len(placed)} stage bundles: {err}") from err
+    if ctx.reserved is not None:
+        remove_placement_group(ctx.reserved)
+    ctx.placement_group, ctx.bundle_offset, ctx.bundles, ctx.reserved = group, 0, None, group
+    return f"in a new placement group of {len(placed)} bundles"
 
 
 def shrunk(ctx: RunContext, stages: int) -> Prepared:

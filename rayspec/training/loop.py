@@ -150,6 +150,12 @@ class _RunLoop:
         except BaseException:
             self._close()
             raise
+        finally:
+            if ctx.reserved is not None:  # an elastic run's own smaller group
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(ctx.reserved)
+                ctx.reserved = None
 
     def _fit(self, resume: dict[str, Any] | None) -> tuple[str, list[int]] | None:
         """Before a restart: wait for the cluster to hold every stage, or go on with fewer (``fit_cluster``); when
