@@ -192,6 +192,23 @@ def recovery(d: dict[str, Any]) -> list[str]:
                      "actors replaced", "weight difference to uninterrupted"], rows)]
 
 
+def recovery_nodes(d: dict[str, Any]) -> list[str]:
+    runs = d["node_loss"]
+    first = next(iter(runs.values()))
+    rows = [[f"{name} ({r['stages'][0]} → {r['stages'][1]} stages)", r["seen_s"], r["running_again_s"],
+             r["placement_wait_s"], ", ".join(map(str, r["resumed_from"])), r["updates_redone"], r["restarts"],
+             "equal" if r["equal"] else ("to rounding" if r["close"] else "no"), r["max_diff"]] for name, r in runs.items()]
+    return [f"A Ray node removed under a running gpipe pipeline (`ray.cluster_utils.Cluster` on this machine: a head of "
+            f"no CPUs and three worker nodes), at the first loss record of update {first['lose_after']} or later to "
+            f"reach the caller; {first['updates']} updates, a checkpoint every {first['checkpoint_every']}. `stage`: "
+            "stage 1's node (2 stages); `driver`: the driver actor's node; `elastic`: stage 1's node of three 1-CPU "
+            "nodes with `fault.elastic=true`, not replaced. Weights against the uninterrupted run (`elastic`: re-split "
+            "at the same update, on the local executor).", "",
+            *_table(["node lost", "failure seen after s", "running again after s", "of which waiting for the bundles s",
+                     "resumed from", "updates redone",
+                     "restarts", "weights", "max weight difference"], rows)]
+
+
 def driver(d: dict[str, Any]) -> list[str]:
     return [f"The run loop in a driver actor against in the calling process (`{d['model']}`, {d['stages']} stages, "
             f"{d['updates']} updates, {d['rounds']} rounds):", "",
@@ -245,9 +262,10 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
      "--microbatches 8,16 --stages 4 --virtual 2 --forward-ms 100 --backward-ms 200 --repeats 3 "
      "--out efficiency_schedules_interleaved", _rows),
     ("partition", "python -m benchmarks.partition --holdout", partition),
-    ("recovery", "python -m benchmarks.recovery", recovery),
-    ("recovery_object_store", "python -m benchmarks.recovery --transport object_store --out recovery_object_store",
-     recovery),
+    ("recovery", "python -m benchmarks.recovery --parts actors", recovery),
+    ("recovery_object_store", "python -m benchmarks.recovery --parts actors --transport object_store "
+     "--out recovery_object_store", recovery),
+    ("recovery_node_loss", "python -m benchmarks.recovery --parts nodes --out recovery_node_loss", recovery_nodes),
     ("driver", "python -m benchmarks.driver", driver),
     ("overhead", "python -m benchmarks.overhead", _rows),
     ("stage_cost", "python -m benchmarks.stage_cost", _rows),

@@ -7,15 +7,22 @@ worker nodes of 2 CPUs), trains a 2-stage gpipe run of ``STEPS`` updates with ``
 
 - ``stage``: the node holding stage 1's bundle; the run restarts its stages on the nodes that remain;
 - ``driver``: the node holding the driver actor (placed in bundle 0 of a placement group, as in a Tune trial);
-  the caller starts a new driver actor, which resumes from the newest checkpoint in the storage.
+  the caller starts a new driver actor, which resumes from the newest checkpoint in the storage;
+- ``elastic``: three worker nodes of 1 CPU and a 3-stage run with ``fault.elastic=true``; the node holding stage 1's
+  bundle goes and nothing replaces it, so only 2 stages fit: the run goes on with 2 stages, re-split from the
+  newest checkpoint.
 
-Then it trains the same run without a loss, and prints one JSON line (also written to ``OUT_DIR/result.json``): the node removed, the run's restarts,
-the seconds from the loss to the failure seen and to the pipeline running again (the figures of a node-loss row
-of ``benchmarks.recovery``), and whether the final weights equal the uninterrupted run's. ``tests/test_node_loss.py`` runs it in a process of its own.
+Then it trains the same run without a loss (``elastic``: on the local executor, 3 stages to the update the run went
+on from, then resumed on 2 stages: the uninterrupted run re-split at the same update), and prints one JSON line (also
+written to ``OUT_DIR/result.json``): the node removed, the run's restarts and layout changes, the seconds from the
+loss to the failure seen and to the pipeline running again (the figures of a node-loss row of ``benchmarks.recovery``),
+and whether the final weights equal the reference's (``equal``: bit for bit; ``max_diff``). ``tests/test_node_loss.py``
+runs it in a process of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -28,7 +35,7 @@ import torch
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from rayspec.config import from_mapping
+from rayspec.config import Config, from_mapping
 from rayspec.config.compose import compose
 from rayspec.training import run_training as train
 
@@ -45,6 +52,21 @@ OVERRIDES = ["pipeline.method=gpipe", "pipeline.stages=2", "pipeline.cpus_per_st
              "pipeline.placement=spread", "model.size=tiny", "data.train_size=512", "data.val_size=64",
              "train.batch_size=16", f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0",
              f"checkpoint.every={EVERY}", "fault.max_restarts=2", "ray.log_to_driver=false"]
+ELASTIC = ["pipeline.stages=3", "fault.elastic=true"]
+"""The ``elastic`` scenario's changes: 3 stages of 1 CPU on three 1-CPU workers, so that a lost one leaves room for 2."""
+
+
+class Stop(Exception):
+    """Ends the reference run's first part, at the update the elastic run went on from."""
+
+
+class StopAfter:
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_metrics(self, record: dict) -> None:
+        if "loss" in record and record["step"] > self.step:
+            raise Stop(record["step"])
 
 
 class LoseNode:
@@ -72,44 +94,68 @@ def bundle_node(bundles: int, index: int) -> str:
 
 
 def main(out_dir: Path, scenario: str, temp: str) -> None:
+    elastic = scenario == "elastic"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp, **NODE})
     try:
         for _ in range(WORKERS):
-            cluster.add_node(wait=False, num_cpus=2, temp_dir=temp, **NODE)
+            cluster.add_node(wait=False, num_cpus=1 if elastic else 2, temp_dir=temp, **NODE)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         storage = (out_dir / "storage").as_uri()
-        config = from_mapping(compose([*OVERRIDES, f"checkpoint.storage={storage}"]))
+        overrides = OVERRIDES + (ELASTIC if elastic else [])
+        config = from_mapping(compose([*overrides, f"checkpoint.storage={storage}"]))
         group, offset = None, 0
         if scenario == "driver":  # bundle 0: the driver actor; 1, 2: the stages
             group, offset = placement_group([{"CPU": 1}] * 3, strategy="SPREAD"), 1
             ray.get(group.ready())
             lose = LoseNode(cluster, lambda: bundle_node(3, 0))
         else:
-            lose = LoseNode(cluster, lambda: bundle_node(2, 1))
+            lose = LoseNode(cluster, lambda: bundle_node(config.pipeline.stages, 1))
         summary = train(config, out_dir / "lost", callbacks=[lose],
                         placement_group=group, bundle_offset=offset)
         if group is not None:
             remove_placement_group(group)
-        reference = from_mapping(compose(OVERRIDES))
-        train(reference, out_dir / "reference")
+        changes = summary["layout_changes"]
+        if elastic and changes:
+            reference_dir = resplit_reference(from_mapping(compose(overrides)), changes[0]["update"],
+                                              changes[0]["to_stages"], out_dir / "reference")
+        else:
+            reference_dir = out_dir / "reference"
+            train(from_mapping(compose(overrides)), reference_dir)
         a = torch.load(out_dir / "lost" / "model.pt", weights_only=True)
-        b = torch.load(out_dir / "reference" / "model.pt", weights_only=True)
+        b = torch.load(reference_dir / "model.pt", weights_only=True)
         restarts = summary["restarts"]
         running = [r["failed_at"] + r["recovery_s"] for r in restarts if "recovery_s" in r]  # the last restart's
         result = json.dumps({
             "scenario": scenario, "lost": lose.lost, "restarts": restarts, "updates": summary["updates"],
-            "steps": STEPS, "every": EVERY,
+            "steps": STEPS, "every": EVERY, "lose_after": LOSE_AFTER, "stages": summary["stages"], "layout_changes": changes,
             "seen_s": restarts[0]["failed_at"] - lose.lost_at if restarts else None,
             "running_again_s": running[-1] - lose.lost_at if running else None,
             "updates_redone": sum(r["lost_updates"] for r in restarts),
-            "checkpoint": summary["checkpoint"], "equal": all(torch.equal(a[k], b[k]) for k in a),
+            "checkpoint": summary["checkpoint"], "equal": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
+            "max_diff": max((a[k] - b[k]).abs().max().item() for k in a) if a.keys() == b.keys() else None,
+            # gpipe on Ray against the local executor: equal to rounding (the tolerance of tests/test_resplit.py)
+            "close": a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a),
         }, default=str)
         (out_dir / "result.json").write_text(result)  # what the test reads: Ray may print after this line
         print(result)
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def resplit_reference(config: Config, update: int, stages: int, run_dir: Path) -> Path:
+    """The uninterrupted run re-split at ``update``, on the local executor: ``config``'s stages to ``update``, then
+    resumed from that checkpoint on ``stages`` stages."""
+    local = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, executor="local"))
+    try:
+        train(local, run_dir, callbacks=[StopAfter(update)])
+    except Stop:
+        pass
+    resumed = dataclasses.replace(local, pipeline=dataclasses.replace(local.pipeline, stages=stages),
+                                  checkpoint=dataclasses.replace(local.checkpoint, resume="auto"))
+    train(resumed, run_dir)
+    return run_dir
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ import os
 import random
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._shared import cluster_script
+from benchmarks._shared.cluster_script import ROOT, processes, stop_group  # noqa: F401 - tests import processes here
+
 BIN = Path(sys.executable).parent  # the environment's python and ray: the head's jobs run this python
 
 
@@ -52,63 +53,20 @@ def free_range(size: int = 200) -> tuple[int, int]:
     raise RuntimeError(f"found no {size} consecutive free ports")
 
 
-def processes(pgid: int, temp: Path) -> list[str]:
-    """``pid args`` of every live process in process group ``pgid`` or with ``temp`` in its arguments
-    (Ray's processes name their session directory)."""
-    out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat=,args="], capture_output=True, text=True).stdout
-    rows = [line.split(None, 3) for line in out.splitlines()]
-    return [f"{r[0]} {r[3]}"[:160] for r in rows if len(r) == 4 and not r[2].startswith("Z")
-            and (r[1] == str(pgid) or str(temp) in r[3])]
-
-
-def stop_group(proc: subprocess.Popen, temp: Path, timeout: float = 60.0) -> list[str]:
-    """SIGTERM the group's leader (``ray start --block`` then stops its Ray processes), wait for the whole
-    group and every process under ``temp`` to go, SIGKILL what is left; returns what was still running
-    when the wait ended."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while (left := processes(proc.pid, temp)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if left:
-        for line in left:
-            try:
-                os.kill(int(line.split()[0]), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    proc.wait(timeout=30)
-    return left
-
-
 def run_cluster_script(script: Path, args: list[str], what: str, timeout: float, env: dict[str, str] | None = None) -> str:
     """Run ``script ARGS TEMP`` (a test's multi-node Ray cluster, ``ray.cluster_utils.Cluster``) in a process group
-    of its own, with a private temporary directory (short: Ray's socket paths live under it) and auth token; stop
-    the group when it ends or after ``timeout`` s, and fail naming ``what`` if it failed or left processes behind.
+    of its own (``benchmarks._shared.cluster_script``); fail naming ``what`` if it failed, ran past ``timeout`` s
+    or left processes behind.
 
     Returns:
         Its standard output.
     """
-    temp = Path(tempfile.mkdtemp(prefix="rs-nodes-"))
-    token = temp / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-           **(env or {})}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, str(script), *args, str(temp)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
-    try:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop_group(proc, temp, timeout=10)
-            out, err = proc.communicate()
-            pytest.fail(f"the {what} did not end within {timeout:g} s:\n{err[-4000:]}")
-        left = stop_group(proc, temp, timeout=30)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    assert proc.returncode == 0, err[-4000:]
-    assert not left, f"still running after the {what}: {left}"
-    return out
+    run = cluster_script.run_cluster_script(script, args, timeout, env)
+    if run.returncode is None:
+        pytest.fail(f"the {what} did not end within {timeout:g} s:\n{run.err[-4000:]}")
+    assert run.returncode == 0, run.err[-4000:]
+    assert not run.left, f"still running after the {what}: {run.left}"
+    return run.out
 
 
 class RayHead:

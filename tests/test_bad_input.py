@@ -65,6 +65,10 @@ CASES = [
          r"pipeline\.transport='carrier_pigeon'", "choose one of"),
     Case("keep no checkpoint", "settings", ("checkpoint.keep=0",), r"checkpoint\.keep=0", "keep at least"),
     Case("negative restarts", "settings", ("fault.max_restarts=-1",), r"fault\.max_restarts=-1", "use 0"),
+    Case("elastic not a boolean", "settings", ("fault.max_restarts=1", "fault.elastic=sometimes"),
+         r"fault\.elastic='sometimes'", "true or false"),
+    Case("elastic without restarts", "settings", ("fault.elastic=true",), r"fault\.max_restarts=0",
+         r"set fault\.max_restarts to 1 or more"),
     Case("zero connect timeout", "settings", ("ray.connect_timeout_s=0",), r"ray\.connect_timeout_s=0",
          "positive number"),
     Case("misspelt key", "settings", ("+pipeline.stagez=3",), r"pipeline\.stagez", r"known: .*stages"),
@@ -267,8 +271,10 @@ def table(inputs: Path, work: Path) -> str:
 
 
 if __name__ == "__main__":
+    import logging
     import tempfile
 
+    logging.getLogger("rayspec").setLevel(logging.ERROR)  # the page holds the table only, not the runs' warnings
     with tempfile.TemporaryDirectory() as tmp:
         make_inputs(Path(tmp) / "inputs")
         sys.stdout.write(table(Path(tmp) / "inputs", Path(tmp)))

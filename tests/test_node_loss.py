@@ -32,3 +32,19 @@ def test_a_lost_node_is_survived_with_restarts_and_the_weights_are_the_uninterru
     assert result["running_again_s"] is not None, result
     assert result["checkpoint"].startswith((tmp_path / "storage").as_uri()), result
     assert result["equal"], result
+
+
+@pytest.mark.slow  # minutes on 2 busy cores: four Ray nodes, a lost one, the run and its reference
+def test_a_lost_node_that_is_not_replaced_leaves_an_elastic_run_on_fewer_stages_equal_to_the_resplit_run(tmp_path):
+    """3 stages on three 1-CPU nodes with ``fault.elastic=true``; stage 1's node goes and nothing replaces it: the run
+    goes on with the 2 stages that fit, re-split from the newest checkpoint, records it in ``layout_changes``, and
+    ends with the weights of the uninterrupted run re-split onto 2 stages at the same update (gpipe, to rounding)."""
+    result = lose_a_node("elastic", tmp_path)
+    print(json.dumps({k: result[k] for k in ("scenario", "seen_s", "running_again_s", "updates_redone", "max_diff")}))
+    assert result["lost"] is not None and result["updates"] == result["steps"] and result["stages"] == 2, result
+    (change,) = result["layout_changes"]
+    assert (change["from_stages"], change["to_stages"]) == (3, 2) and change["reason"].startswith("fault.elastic"), result
+    assert change["update"] % result["every"] == 0 and 0 < change["update"] < result["steps"], result
+    assert {r["kind"] for r in result["restarts"]} == {"stage"} and result["restarts"][-1]["resumed_from"] == change["update"]
+    assert result["running_again_s"] is not None, result
+    assert result["close"], result

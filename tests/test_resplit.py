@@ -71,8 +71,10 @@ def test_synchronous_run_resumed_on_2_stages_then_on_4_equals_the_uninterrupted_
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-7, msg=k)
     assert summary["balance"] == full["balance"] == [2, 2, 2, 1] and summary["resumed_from"] == 8
-    assert [(c["step"], c["from"], c["to"]) for c in summary["layout_changes"]] == [(4, [2, 2, 2, 1], [4, 3]),
-                                                                                    (8, [4, 3], [2, 2, 2, 1])]
+    assert [(c["update"], c["from"], c["to"]) for c in summary["layout_changes"]] == [(4, [2, 2, 2, 1], [4, 3]),
+                                                                                      (8, [4, 3], [2, 2, 2, 1])]
+    assert [(c["from_stages"], c["to_stages"], c["reason"]) for c in summary["layout_changes"]] == [
+        (4, 2, "resumed on another layout"), (2, 4, "resumed on another layout")]
     assert full["layout_changes"] == []
     assert summary["final_train_loss"] == pytest.approx(full["final_train_loss"], rel=1e-5)
 
@@ -90,8 +92,9 @@ def test_spectrain_resumes_on_another_balance_with_fresh_probes(tmp_path):
         run_training(from_mapping(other), tmp_path)
     summary = run_training(from_mapping(resumed(cfg, balance=[1, 1, 5])), tmp_path)
     assert summary["balance"] == [1, 1, 5] and summary["updates"] == 12
-    assert summary["layout_changes"][0] | {"train_s": 0} == {"step": 8, "from": [3, 2, 2], "to": [1, 1, 5],
-                                                           "train_s": 0}
+    assert summary["layout_changes"][0] | {"train_s": 0} == {"update": 8, "from_stages": 3, "to_stages": 3,
+                                                           "reason": "resumed on another layout", "from": [3, 2, 2],
+                                                           "to": [1, 1, 5], "train_s": 0}
     # counters and probes count from the re-split: 4 updates of one micro-batch, a forward and a backward each
     assert [st["actions"] for st in summary["stage_stats"]] == [{"F": 4, "B": 4}] * 3
     assert all(st["prediction"]["actions"] <= 8 for st in summary["stage_stats"][:2])

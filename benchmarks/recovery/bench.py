@@ -2,6 +2,7 @@
 what checkpoints cost.
 
     python -m benchmarks.recovery [--quick] [--every 10] [--steps 60] [--kill-at 25] [--transport auto]
+                                  [--parts actors,nodes] [--node-loss stage,driver,elastic]
 
 Four Ray runs of the same spectrain pipeline (4 stages, one process per stage) in one Ray instance:
 no checkpoints; a checkpoint every ``--every`` updates; the same, with the last stage actor's
@@ -13,6 +14,10 @@ driver actor and new stage actors, every stage loaded), the updates lost (done s
 checkpoint, redone), the wall-time ratios, and whether the recovered run's weights equal the
 uninterrupted one's. ``--transport p2p`` (the CPU default) recreates every stage actor after a stage
 dies, as its gloo group cannot be rebuilt around a new member; ``object_store`` replaces only the dead one.
+
+``--parts nodes``: the node-loss rows instead (``benchmarks/recovery/node_loss.py``): a node removed under a running
+pipeline on a multi-node Ray cluster of this machine, per scenario of ``--node-loss``; minutes each, so ``--quick``
+leaves them out and says so.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 
 from benchmarks._shared.processes import KillActor, start_ray
 from benchmarks._shared.results import table, write
+from benchmarks.recovery.node_loss import SCENARIOS, node_loss
 from rayspec.config import from_mapping
 from rayspec.training import run_training
 
@@ -52,7 +58,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--kill-at", type=int, default=25)
     ap.add_argument("--transport", default="auto", help="pipeline.transport of every run")
     ap.add_argument("--out", default="recovery", help="result name: benchmarks/results/OUT.json")
+    ap.add_argument("--parts", default="actors,nodes", help="actors (killed actors), nodes (lost nodes), or both")
+    ap.add_argument("--node-loss", default=",".join(SCENARIOS), help="the node-loss scenarios of --parts nodes")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    result: dict = {}
+    if "actors" in parts:
+        result |= killed_actors(args)
+    if "nodes" in parts:
+        if args.quick:  # each scenario starts four Ray nodes and trains twice: minutes, not a smoke test
+            print("node loss left out in --quick (minutes per scenario): run --parts nodes")
+        else:
+            result["node_loss"] = node_loss(args.node_loss.split(","))
+            print(node_table(result["node_loss"]))
+    print(f"wrote {write(args.out, result, quick=args.quick)}")
+
+
+def node_table(rows: dict[str, dict]) -> str:
+    """The node-loss rows as a table."""
+    return table([{"node lost": f"{s} ({r['stages'][0]} -> {r['stages'][1]} stages)", "seen s": f"{r['seen_s']:.1f}",
+                   "running again s": f"{r['running_again_s']:.1f}",
+                   "of which bundle wait s": f"{r['placement_wait_s']:.1f}", "updates redone": r["updates_redone"],
+                   "restarts": r["restarts"], "weights = reference": "yes" if r["equal"] else
+                   ("to rounding" if r["close"] else f"no ({r['max_diff']:.1e})")} for s, r in rows.items()],
+                 ["node lost", "seen s", "running again s", "of which bundle wait s", "updates redone", "restarts",
+                  "weights = reference"])
+
+
+def killed_actors(args: argparse.Namespace) -> dict:
+    """The killed stage and driver actor rows (the docstring's four runs), printed; their results."""
     steps, size = (30, "tiny") if args.quick else (args.steps, "small")
     kill_at = min(args.kill_at, steps - 2)
     start_ray(2)
@@ -91,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             (f"{victim}: max |weight diff| vs uninterrupted", f"{r['max_weight_diff_vs_uninterrupted']:.1e}"),
         ]
     print(table([{"figure": f, "value": v} for f, v in rows], ["figure", "value"]))
-    print(f"wrote {write(args.out, result, quick=args.quick)}")
+    return result
 
 
 if __name__ == "__main__":

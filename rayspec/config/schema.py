@@ -82,6 +82,9 @@ class Config:
         if self.optim.clip_grad_norm is not None and METHODS[p.method].flushes and p.executor == "ray" \
                 and p.transport != "auto":
             check_global_norm(p.transport, p.method)
+        if self.fault.elastic and p.schedule_file is not None:
+            raise ConfigError(f"fault.elastic=true may change the stage count, but pipeline.schedule_file={p.schedule_file} "
+                              "fixes it; drop one of them")
         _check_builder("model", self.model, "model=mlp")
         _check_builder("data", self.data, "data=synthetic_image")
         return self

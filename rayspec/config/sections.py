@@ -315,9 +315,19 @@ class CheckpointConfig(Section):
 class FaultConfig(Section):
     max_restarts: int = 0
     """Times a run whose stage or driver actor died is restarted from its last checkpoint (Ray executor only)."""
+    elastic: bool = False
+    """When a restart finds that the cluster's live nodes no longer hold a bundle for every stage (a node was lost
+    and not replaced), go on with as many stages as bundles remain, at least 2, re-split from the newest checkpoint
+    (logged, and in ``summary.json``'s ``layout_changes``); false: wait up to 120 s for Ray to place them again,
+    then fail naming this setting. Pipeline methods on the Ray executor with ``fault.max_restarts`` > 0."""
 
     def check(self) -> None:
         integer("fault.max_restarts", self.max_restarts, 0, "use 0 to stop at the first failure")
+        if not isinstance(self.elastic, bool):
+            raise ConfigError(f"fault.elastic={self.elastic!r} must be true or false")
+        if self.elastic and self.max_restarts == 0:
+            raise ConfigError("fault.elastic=true acts when a run restarts after a lost stage, but fault.max_restarts=0 "
+                              "allows none; set fault.max_restarts to 1 or more")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -42,6 +42,14 @@ class RunContext:
     """A Ray placement group to place the stage actors in (a Tune trial's); None: the executor reserves its own."""
     bundle_offset: int = 0
     """The first stage bundle in ``placement_group``; the driver actor takes the bundle before it."""
+    bundles: list[int] | None = None
+    """The bundles of ``placement_group`` the stages run in, stage ``k`` in ``bundles[k]``; None: in
+    ``bundle_offset + k``. Set when a run goes on with fewer stages after a lost node (``fault.elastic``)."""
+    own_group: bool = False
+    """Whether the run reserved ``placement_group`` itself (not a Tune trial's): then an elastic run replaces it by
+    a smaller one rather than keep a group that Ray cannot place whole."""
+    reserved: Any = None
+    """A placement group the run loop reserved itself (an elastic run's smaller one), removed when the loop ends."""
     resume: dict[str, Any] | None = None
     """The checkpoint the run loop starts from (``load_checkpoint``); None: from the start."""
     started: float = field(default_factory=time.time)
@@ -55,11 +63,18 @@ class RunContext:
             raise ValueError("a run needs its checkpoint folder: prepare() it with the run directory")
         c = prepared.config
         return cls(prepared, Path(run_dir), CheckpointStore(prepared.checkpoints, c.checkpoint.keep),
-                   Restarts(c.fault.max_restarts), Callbacks.of(callbacks), placement_group, bundle_offset, prepared.resume)
+                   Restarts(c.fault.max_restarts), Callbacks.of(callbacks), placement_group, bundle_offset,
+                   resume=prepared.resume)
 
     @property
     def config(self) -> Config:
         return self.prepared.config
+
+    def stage_bundles(self) -> list[int]:
+        """The bundle of each stage in ``placement_group``, stage 0 first."""
+        if self.bundles is not None:
+            return list(self.bundles)
+        return [self.bundle_offset + k for k in range(self.config.pipeline.stages)]
 
     def go_on_from(self, path: Location | None) -> None:
         """Start the run loop from the checkpoint at ``path`` (a lost driver actor's newest), or from the start."""

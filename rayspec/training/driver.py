@@ -90,6 +90,8 @@ class _Launch:
     run_dir: str
     placement_group: Any
     bundle_offset: int
+    own_group: bool
+    """Whether the caller reserved ``placement_group`` for this run (not a Tune trial's)."""
     resume_path: str | None
     """The checkpoint to go on from (absolute); None: the start."""
     restarts: list[dict[str, Any]]
@@ -101,7 +103,7 @@ class _Launch:
 
     def context(self, prepared: Prepared, callbacks: list[Any]) -> RunContext:
         ctx = RunContext.create(prepared, Path(self.run_dir), callbacks, self.placement_group, self.bundle_offset)
-        ctx.restarts.records, ctx.started = self.restarts, self.started
+        ctx.restarts.records, ctx.started, ctx.own_group = self.restarts, self.started, self.own_group
         ctx.go_on_from(absolute(self.resume_path) if self.resume_path else None)
         return ctx
 
@@ -195,6 +197,7 @@ def _reserve_stages(ctx: RunContext) -> Any:
     cpus, gpus = stage_resources(p.cpus_per_stage, p.gpus_per_stage, p.stages)
     resolve_transport(p.transport, gpus)  # refused here, before any actor starts, when it cannot carry them
     ctx.placement_group, ctx.bundle_offset = reserve_stages(p.stages, cpus, gpus, p.placement.upper()), 0
+    ctx.own_group = True
     return ctx.placement_group
 
 
@@ -221,7 +224,7 @@ def _drive(ctx: RunContext) -> dict[str, Any]:
     store = CheckpointStore(prepared.checkpoints, ctx.config.checkpoint.keep)  # absolute: the actor reads it too
     resume_path = prepared.resume_path
     caller = _Caller(ctx, 0 if prepared.resume is None else prepared.resume["step"])
-    launch = _Launch(str(Path(ctx.run_dir).resolve()), ctx.placement_group, ctx.bundle_offset, None,
+    launch = _Launch(str(Path(ctx.run_dir).resolve()), ctx.placement_group, ctx.bundle_offset, ctx.own_group, None,
                      ctx.restarts.records, ctx.started, ctx.callbacks.wants("on_weights"),
                      logging.getLogger(ROOT).getEffectiveLevel())
     placement = _driver_placement(ctx.placement_group, ctx.bundle_offset)

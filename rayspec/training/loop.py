@@ -24,11 +24,12 @@ from rayspec.exec import Executor, LocalExecutor
 from rayspec.partition import split
 from rayspec.training.checkpoint import payload
 from rayspec.training.context import RunContext
+from rayspec.training.elastic import fit_cluster
 from rayspec.training.failures import StageDied, reraise
 from rayspec.training.prepare import Prepared, stage_spec
 from rayspec.training.progress import Progress, keep_metrics
 from rayspec.training.report import evaluate, report_stages, write_summary
-from rayspec.training.resplit import resumed_states
+from rayspec.training.resplit import RESUMED, layout_change, resumed_states
 from rayspec.training.trace import bubble_fraction, write_chrome_trace, write_gantt
 
 __all__ = ["run", "make_executor", "build_stages", "split_batches"]
@@ -77,7 +78,7 @@ def make_executor(ctx: RunContext, stages: list[Stage]) -> Executor:
     return RayExecutor(
         stages, p.method, p.variant, transport=p.transport, cpus_per_stage=cpus, gpus_per_stage=gpus,
         max_in_flight=p.max_in_flight, placement_strategy=p.placement.upper(), placement_group=ctx.placement_group,
-        bundle_offset=ctx.bundle_offset, virtual=p.virtual_stages,
+        bundle_offset=ctx.bundle_offset, virtual=p.virtual_stages, bundles=ctx.bundles,
     )
 
 
@@ -110,11 +111,14 @@ class _Outcome:
     transport: str
 
 
-def _restored(stages: list[Stage], resume: dict[str, Any] | None, prepared: Prepared) -> _Tally:
-    """Load the checkpoint ``resume`` into ``stages`` (re-split when the partition changed); where it stood."""
+def _restored(stages: list[Stage], resume: dict[str, Any] | None, prepared: Prepared,
+              shrunk: tuple[str, list[int]] | None = None) -> _Tally:
+    """Load the checkpoint ``resume`` into ``stages`` (re-split when the partition changed); where it stood.
+    ``shrunk``: why the stages are fewer than before this restart, and the partition before."""
     if resume is None:
-        return _Tally()
-    states, changes = resumed_states(resume, prepared.model, prepared.balance, prepared.config.seed)
+        return _Tally(changes=[layout_change(0, shrunk[1], prepared.balance, shrunk[0], 0.0)] if shrunk else [])
+    reason = shrunk[0] if shrunk else RESUMED
+    states, changes = resumed_states(resume, prepared.model, prepared.balance, prepared.config.seed, reason)
     for stage, state in zip(stages, states):
         stage.load_checkpoint_state(state)
     return _Tally(resume["step"], float(resume["train_s"]), json.loads(resume["evals"]), changes)
@@ -132,23 +136,43 @@ class _RunLoop:
     def run(self) -> dict[str, Any]:
         ctx, resume = self.ctx, self.ctx.resume
         try:
+            # A new driver actor after a lost one: the node may have held stages too ([Note: elastic]).
+            shrunk = self._fit(resume) if ctx.restarts.records else None
             while True:
                 try:
-                    return self._attempt(resume)
+                    return self._attempt(resume, shrunk)
                 except StageDied as err:
                     if self.executor is not None and not self.executor.can_revive:
                         self._close()
                     resume = ctx.restarts.restart("stage", str(err), err.updates, ctx.last_checkpoint(),
                                                   err.__cause__ or err)
+                    shrunk = self._fit(resume) or shrunk  # a run that shrank before still goes on from its change
         except BaseException:
             self._close()
             raise
+        finally:
+            if ctx.reserved is not None:  # an elastic run's own smaller group
+                from ray.util.placement_group import remove_placement_group
 
-    def _attempt(self, resume: dict[str, Any] | None) -> dict[str, Any]:
-        """Train from ``resume`` to the end, then write ``model.pt``, the trace and ``summary.json``."""
+                remove_placement_group(ctx.reserved)
+                ctx.reserved = None
+
+    def _fit(self, resume: dict[str, Any] | None) -> tuple[str, list[int]] | None:
+        """Before a restart: wait for the cluster to hold every stage, or go on with fewer (``fit_cluster``); when
+        the stages change, the live executor goes, and this returns why and the partition before."""
+        before = list(self.ctx.prepared.balance)
+        reason = fit_cluster(self.ctx, resume)
+        if reason is None:
+            return None
+        self._close()
+        return reason, before
+
+    def _attempt(self, resume: dict[str, Any] | None, shrunk: tuple[str, list[int]] | None = None) -> dict[str, Any]:
+        """Train from ``resume`` to the end, then write ``model.pt``, the trace and ``summary.json``; ``shrunk``:
+        why the stages are fewer than before this attempt, and the partition before."""
         ctx = self.ctx
         stages = build_stages(ctx.prepared)  # on CPU; a stage actor given a GPU moves its stage there
-        tally = _restored(stages, resume, ctx.prepared)
+        tally = _restored(stages, resume, ctx.prepared, shrunk)
         keep_metrics(ctx.run_dir / "metrics.jsonl", tally.done)
         with open(ctx.run_dir / "metrics.jsonl", "a") as metrics:
             executor = self._open(stages, tally.done)

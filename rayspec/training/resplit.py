@@ -37,7 +37,7 @@ from torch import nn
 from rayspec.core.stage import StageStats
 from rayspec.partition import split
 
-__all__ = ["OWN", "parameter_names", "resplit", "resumed_states", "stream_seed"]
+__all__ = ["OWN", "RESUMED", "layout_change", "parameter_names", "resplit", "resumed_states", "stream_seed"]
 
 OWN = ("module", "version", "rng", "stats", "probe")
 """The entries of a stage state that are not per parameter nor shared (see the module's note)."""
@@ -137,16 +137,33 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def resumed_states(resume: dict[str, Any], model: nn.Sequential, balance: Sequence[int],
-                   seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+RESUMED = "resumed on another layout"
+"""The ``reason`` of a layout change that the resuming run's settings asked for (``pipeline.stages``, ``balance``)."""
+
+
+def layout_change(update: int, old: Sequence[int], new: Sequence[int], reason: str, train_s: float) -> dict[str, Any]:
+    """One entry of ``summary.json``'s ``layout_changes``: the update the run went on from, the stage counts before
+    and after, why, the partitions (blocks per stage) and the training seconds at the change."""
+    return {"update": update, "from_stages": len(old), "to_stages": len(new), "reason": reason, "from": list(old),
+            "to": list(new), "train_s": train_s}
+
+
+def _entry(change: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's layout change as ``layout_change`` writes it (checkpoints before ``reason`` had ``step``)."""
+    if "update" in change:
+        return dict(change)
+    return layout_change(int(change["step"]), change["from"], change["to"], RESUMED, float(change["train_s"]))
+
+
+def resumed_states(resume: dict[str, Any], model: nn.Sequential, balance: Sequence[int], seed: int,
+                   reason: str = RESUMED) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The stage states to load for partition ``balance`` from the checkpoint ``resume`` (re-split when it was
     written with another partition), and the run's layout changes so far (``summary.json``'s ``layout_changes``):
-    the checkpoint's, plus this one when the partition changes here."""
-    changes = list(resume.get("layout_changes", []))
+    the checkpoint's, plus this one, for ``reason``, when the partition changes here."""
+    changes = [_entry(c) for c in resume.get("layout_changes", [])]
     old = list(resume["balance"])
     if old == list(balance):
         return list(resume["stages"]), changes
     states = resplit(resume["stages"], model, old, balance, seed=seed, step=int(resume["step"]))
-    changes.append({"step": int(resume["step"]), "from": old, "to": list(balance),
-                    "train_s": float(resume["train_s"])})
+    changes.append(layout_change(int(resume["step"]), old, balance, reason, float(resume["train_s"])))
     return states, changes

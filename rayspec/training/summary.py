@@ -62,7 +62,9 @@ class RunSummary:
     resumed_from: int | None
     """The update of the checkpoint the run resumed from; None: it started afresh."""
     layout_changes: list[dict[str, Any]]
-    """Re-splits of the partition on resume."""
+    """Re-splits of the run's state onto another partition, oldest first (empty when none): ``update`` (the
+    checkpoint's), ``from_stages``, ``to_stages``, ``reason`` (a resume on another layout, or ``fault.elastic``
+    after a lost node), the partitions ``from`` and ``to`` (blocks per stage) and ``train_s`` at the change."""
     stage_stats: list[dict[str, Any]]
     """Per stage (worker): busy time, actions, bytes sent, weight version, prediction quality."""
     config: dict[str, Any]

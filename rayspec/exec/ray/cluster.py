@@ -4,17 +4,24 @@
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayspec.errors import ConfigError
 from rayspec.partition import BlockProfile, profile_blocks
 
 __all__ = ["stage_resources", "default_gpus", "reserve_stages", "bundle_resources", "actor_died",
-           "task_cause", "profile_in_bundle"]
+           "task_cause", "profile_in_bundle", "REPLACE_TIMEOUT_S", "bundle_capacity", "placed_bundles",
+           "wait_for_bundles"]
+
+REPLACE_TIMEOUT_S = 120.0
+"""How long a restart waits for Ray to place a lost node's stage bundles again (as long as ``reserve_stages``
+waits for the first placement)."""
 
 
 def stage_resources(cpus: float | None, gpus: float | None, stages: int, reserved_cpus: float = 0.0) -> tuple[float, float]:
@@ -60,6 +67,86 @@ def bundle_resources(group: PlacementGroup, index: int) -> tuple[float, float]:
     """The CPUs and GPUs that bundle ``index`` of ``group`` holds."""
     spec = group.bundle_specs[index]
     return float(spec.get("CPU", 0.0)), float(spec.get("GPU", 0.0))
+
+
+def bundle_capacity(bundle: dict[str, float]) -> int:
+    """How many bundles like ``bundle`` the live nodes could hold in all, by their total resources (an upper bound:
+    other work may hold some of them)."""
+    need = {k: v for k, v in bundle.items() if v > 0}
+    fits = 0
+    for node in ray.nodes():
+        if node.get("Alive") and need:
+            have = node.get("Resources", {})
+            fits += min(int(math.floor(have.get(k, 0.0) / v + 1e-9)) for k, v in need.items())
+    return fits
+
+
+def placed_bundles(group: PlacementGroup, bundles: Sequence[int]) -> list[int]:
+    """Those of ``bundles`` (indices in ``group``) that Ray has placed on a node it holds alive; after a node was
+    lost, Ray places that node's bundles again where they fit (the group is ``RESCHEDULING`` until then)."""
+    alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+    table = placement_group_table(group)
+    where = table.get("bundles_to_node_id", {}) if table.get("state") != "REMOVED" else {}
+    return [b for b in bundles if where.get(b) in alive]
+
+
+@ray.remote(num_cpus=0)
+def _answer() -> bool:
+    return True
+
+
+def wait_for_bundles(group: PlacementGroup, bundles: Sequence[int], timeout_s: float = REPLACE_TIMEOUT_S,
+                     until_short: bool = False, on_short: Callable[[int], None] | None = None,
+                     poll_s: float = 0.5) -> list[int]:
+    """Wait up to ``timeout_s`` until every one of ``bundles`` of ``group`` is placed on a live node; returns those
+    placed when it returns (all of them, or fewer at the timeout).
+
+    A bundle counts once a task placed in it has answered: a lost node is held alive for seconds after its
+    processes went (until Ray's health checks fail), and its bundles look placed until then.
+
+    Args:
+        until_short: return as soon as the live nodes cannot hold every bundle (``bundle_capacity``) rather
+            than wait for nodes to join.
+        on_short: called once, with ``bundle_capacity``, when the live nodes are found unable to hold them all.
+    """
+    deadline, bundle = time.monotonic() + timeout_s, group.bundle_specs[bundles[0]]
+    asked: dict[int, Any] = {}
+    answered: set[int] = set()
+    warned = False
+    try:
+        while True:
+            now = placed_bundles(group, bundles)
+            for b in now:
+                if b not in asked:
+                    asked[b] = _answer.options(  # type: ignore[attr-defined]
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=group, placement_group_bundle_index=b)).remote()
+            pending = {ref: b for b, ref in asked.items() if b not in answered}
+            if pending:
+                done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=poll_s)
+                for ref in done:
+                    try:
+                        ray.get(ref)
+                        answered.add(pending[ref])
+                    except Exception:  # failed with its node: ask again where Ray places the bundle now
+                        del asked[pending[ref]]
+            placed = [b for b in bundles if b in answered]
+            if len(placed) == len(bundles):
+                return placed
+            fits = bundle_capacity(bundle)
+            if fits < len(bundles) and not warned:
+                warned = True
+                if on_short is not None:
+                    on_short(fits)
+            settled = all(b in answered for b in now)  # every bundle on a live node has answered
+            if (until_short and fits < len(bundles) and settled) or time.monotonic() >= deadline:
+                return placed
+            if not pending:
+                time.sleep(poll_s)
+    finally:
+        for b, ref in asked.items():
+            if b not in answered:
+                ray.cancel(ref)
 
 
 def actor_died(err: BaseException) -> bool:

@@ -48,7 +48,7 @@ class RayExecutor(Executor):
             and backward; raised to what the schedule itself needs; default twice that.
         chunk: ``compiled`` and ``p2p``: micro-batches per actor call (per execution of the compiled graph).
         placement_group: a group to place the stages in (e.g. a Tune trial's), stage ``k`` in
-            bundle ``bundle_offset + k``; by default the executor creates and owns one.
+            bundle ``bundle_offset + k``, or ``bundles[k]`` when given; by default the executor creates and owns one.
         placement_strategy: ``PACK`` or ``SPREAD`` for the group it creates.
         virtual: model chunks (stages) per stage actor; ``len(stages)`` must be a multiple. Only transports that
             host chunks run more than 1 (``Transport.hosts_chunks``: ``p2p``, ``p2p_nccl``).
@@ -69,6 +69,7 @@ class RayExecutor(Executor):
         placement_strategy: str = "PACK",
         chunk: int = 16,
         virtual: int = 1,
+        bundles: Sequence[int] | None = None,
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("call ray.init() before creating a RayExecutor")
@@ -86,9 +87,10 @@ class RayExecutor(Executor):
         ranks = self.num_stages // virtual
         if placement_group is None:
             placement_group = reserve_stages(ranks, cpus_per_stage, gpus_per_stage, placement_strategy)
-            bundle_offset = 0
+            bundle_offset, bundles = 0, None
         self.pg = placement_group
-        self._resources = (cpus_per_stage, gpus_per_stage, bundle_offset)
+        self._resources = (cpus_per_stage, gpus_per_stage)
+        self._bundles = list(bundles) if bundles is not None else [bundle_offset + k for k in range(ranks)]
         self._clipping(stages)
         self.actors = [self._spawn(k, chunks) for k, chunks in enumerate(self._per_actor(stages))]
         ray.get([a.stats.remote() for a in self.actors])  # wait until every actor is up
@@ -120,13 +122,13 @@ class RayExecutor(Executor):
 
     def _spawn(self, k: int, stage: Stage | Sequence[Stage]) -> Any:
         """A stage actor for rank ``k`` (its stage, or its model chunks) in its bundle."""
-        cpus, gpus, offset = self._resources
+        cpus, gpus = self._resources
         env = {"env_vars": dict(self.link.env)} if self.link.env else None
         return StageActor.options(  # type: ignore[attr-defined]
             num_cpus=cpus,
             num_gpus=gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                                 placement_group_bundle_index=offset + k),
+                                                                 placement_group_bundle_index=self._bundles[k]),
             runtime_env=env,
         ).remote(stage, max(1, int(cpus)))
 
