@@ -57,8 +57,9 @@ def _sgd_kernel(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, p: torch.Tens
 def _adam_kernel(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor,
                  k: torch.Tensor, decay: bool, decoupled: bool) -> None:
     """torch's Adam/AdamW step and ``p = a * W + b * D`` with ``D`` at the next step's bias corrections; ``k``:
-    lr, beta1, beta2, wd, lr / bc1, sqrt(bc2), eps, a, b / bc1', sqrt(bc2') (``'``: the next step's)."""
-    lr, b1, b2, wd, step_size, root2, eps, a, b, root2_next = (k[i] for i in range(10))
+    lr, beta1, beta2, wd, lr / bc1, 1 / sqrt(bc2), eps, a, b / bc1', 1 / sqrt(bc2') (``'``: the next step's;
+    multiplying by the reciprocals, one rounding from torch's division, keeps the loop memory-bound)."""
+    lr, b1, b2, wd, step_size, inv_root2, eps, a, b, inv_root2_next = (k[i] for i in range(10))
     kept = w
     if decay and decoupled:
         kept = w * (1 - lr * wd)
@@ -67,11 +68,11 @@ def _adam_kernel(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Ten
     m_new = m + (1 - b1) * (g - m)  # torch's lerp
     v_new = v * b2 + (1 - b2) * g * g
     root = torch.sqrt(v_new)
-    w_new = kept - step_size * m_new / (root / root2 + eps)
+    w_new = kept - step_size * m_new / (root * inv_root2 + eps)
     m.copy_(m_new)
     v.copy_(v_new)
     w.copy_(w_new)
-    p.copy_(a * w_new + b * (m_new / (root / root2_next + eps)))
+    p.copy_(a * w_new + b * (m_new / (root * inv_root2_next + eps)))
 
 
 _KERNELS: dict[str, Callable[..., None]] = {"sgd": _sgd_kernel, "adam": _adam_kernel}
@@ -119,8 +120,8 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], sta
     b1, b2 = spec.betas
     t = float(states[0]["step"]) + 1  # this step's bias corrections, then the next one's for D
     bc1, bc2, bc1_next, bc2_next = 1 - b1**t, 1 - b2**t, 1 - b1 ** (t + 1), 1 - b2 ** (t + 1)
-    k = torch.tensor([lr, b1, b2, spec.weight_decay, lr / bc1, math.sqrt(bc2), spec.eps, a, b / bc1_next,
-                      math.sqrt(bc2_next)], dtype=torch.float64, device=params[0].device)
+    k = torch.tensor([lr, b1, b2, spec.weight_decay, lr / bc1, 1 / math.sqrt(bc2), spec.eps, a, b / bc1_next,
+                      1 / math.sqrt(bc2_next)], dtype=torch.float64, device=params[0].device)
     tensors = [(w, g, st["exp_avg"], st["exp_avg_sq"], o) for w, g, st, o in zip(params, grads, states, out)]
     if not _run("adam", tensors, k, decay=spec.weight_decay != 0, decoupled=decoupled):
         return False
