@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ADAMW, run_local
+from conftest import ADAMW, assert_same_weights, make_stages, microbatches, run_local, threads
 
 import rayspec.core.optim
+from rayspec.core.methods import METHODS
 from rayspec.core.optim import Optimizer, OptimSpec
+from rayspec.core.schedule import build_schedule
 from rayspec.core.stage import Stage
 from rayspec.core.stage_spec import StageSpec
 
@@ -114,3 +116,24 @@ def test_a_prediction_is_computed_once_per_version(monkeypatch):
         stage.backward(m, None, s=1, update=True)
     assert reads["n"] == 4  # one per version (at version 0 it finds no direction yet)
     assert stage.probe is not None and stage.probe.totals["actions"] == 3 * 2  # targets 2, 3, 4: F and B each
+
+
+@pytest.mark.slow
+def test_spectrain_compiled_on_ray_equals_local(ray_session, tiny):
+    """Each stage actor compiles its own update: the p2p run gives the local run's numbers (about a minute: every
+    actor process compiles once)."""
+    from rayspec.exec.ray import RayExecutor
+
+    model, data = tiny
+    ex = RayExecutor(make_stages(model, "spectrain", 2, compile=True, **ADAMW), "spectrain", transport="p2p",
+                     cpus_per_stage=0.5)
+    try:
+        schedule = build_schedule(METHODS["spectrain"].schedule, 2, 12)
+        losses = ex.run(schedule, iter(microbatches(data, 12, 32)))
+        got = ex.state_dict()
+    finally:
+        ex.close()
+    with threads(1):  # as the stage actors
+        ref, ref_losses, _ = run_local(model, data, "spectrain", 2, updates=12, compile=True, **ADAMW)
+    assert_same_weights(got, ref.state_dict())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))

@@ -33,7 +33,7 @@ class RayspecRunner:
         self.runner, self.cfg = runner_name(runner), cfg
         method = runner_method(runner)
         self.group = rayspec_schedule(runner, cfg.microbatches, 1).group
-        spec = StageSpec(lr=cfg.lr, optim=OptimSpec(momentum=cfg.momentum), group=self.group)
+        spec = StageSpec(lr=cfg.lr, optim=OptimSpec(momentum=cfg.momentum, compile=cfg.compile), group=self.group)
         stages = make_stages([copy.deepcopy(p) for p in parts], method, spec)
         self.batches = make_batches(cfg)
         self.done = 0
