@@ -25,8 +25,9 @@ compiled pass) against a plain ``copy_`` of the same size: the bandwidth each re
 ``copy_``'s; and the levers beside them (one flat buffer, the first compiled call).
 
 It also times, on the stage's gradients, the non-finite check that every update makes (one summing
-pass) against the infinity norm it replaced. Figures are ms per micro-batch, medians of ``--repeats``
-runs (the roofline's: the fastest of its interleaved calls); ratios are of figures from the same run.
+pass) against the infinity norm it replaced. Figures are ms per micro-batch, the fastest of ``--repeats``
+interleaved runs of ``--count`` micro-batches each (the least disturbed by the machine's other load; the
+roofline's: the fastest of its interleaved calls); ratios are of figures from the same run.
 
 The latest figures, with the command that made them: ``benchmarks/stage_cost/README.md``.
 """
@@ -36,7 +37,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import statistics
 import time
 from collections.abc import Sequence
 
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--count", type=int, default=40, help="timed micro-batches per run")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     size, count, repeats = ("tiny", 8, 1) if args.quick else (args.size, args.count, args.repeats)
     cfg = PeerConfig(args.model, size, args.batch, args.microbatches)
@@ -164,7 +164,7 @@ def _timed(parts: list, cfg: PeerConfig, count: int, repeats: int) -> dict[tuple
 def _rows(k: int, part: torch.nn.Module, times: dict[tuple[int, str], list[float]], microbatches: int) -> list[dict]:
     """Stage ``k``'s rows: ms per micro-batch, over its flushed run (``OVER``), the update work's ms (the run less
     ``F+B only``) and passes over the parameters per micro-batch (``roofline.passes``), the non-finite checks."""
-    ms = {name: statistics.median(times[k, name]) * 1e3 for name in RUNS}
+    ms = {name: min(times[k, name]) * 1e3 for name in RUNS}  # the run least disturbed by the machine's other load
     params = sum(p.numel() for p in part.parameters())
     check = check_s([torch.randn_like(p) for p in part.parameters()])
     rows = []
