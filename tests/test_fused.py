@@ -137,3 +137,21 @@ def test_spectrain_compiled_on_ray_equals_local(ray_session, tiny):
         ref, ref_losses, _ = run_local(model, data, "spectrain", 2, updates=12, compile=True, **ADAMW)
     assert_same_weights(got, ref.state_dict())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+
+
+def test_where_the_update_cannot_be_compiled_torch_steps(monkeypatch):
+    """A kernel that could not be compiled here (recorded as None) leaves the update to torch's step, and the
+    caller computes the prediction: nothing was written."""
+    import rayspec.core.fused
+
+    monkeypatch.setitem(rayspec.core.fused._compiled, "sgd", None)
+    ps, qs = _params(1), _params(1)
+    fused, plain = Optimizer(ps, OptimSpec(compile=True)), Optimizer(qs, OptimSpec())
+    out = [torch.zeros_like(p) for p in ps]
+    for _ in range(3):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        assert not fused.step(0.1, (1.0, -0.1, out))
+        plain.step(0.1)
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs)) and all(not o.any() for o in out)

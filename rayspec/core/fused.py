@@ -90,14 +90,18 @@ def _kernel(name: str) -> Callable[..., None] | None:
 
 def _run(name: str, tensors: Sequence[Sequence[torch.Tensor]], k: torch.Tensor, **flags: bool) -> bool:
     """Run ``name``'s kernel on each parameter's flattened tensors; False where it cannot be compiled here (nothing
-    was written then: compiling comes before the first write)."""
+    was written then: compiling comes before the first write; a failure after a parameter was updated raises)."""
     fn = _kernel(name)
     if fn is None or not all(t.is_contiguous() for ts in tensors for t in ts):
         return False
+    done = 0
     try:
         for ts in tensors:
             fn(*(t.view(-1) for t in ts), k, **flags)
+            done += 1
     except Exception as e:  # the compiler's own errors (no C++ compiler, an unsupported device) vary
+        if done:  # some parameters are updated already: torch's step cannot take over
+            raise
         log.warning("optim.compile: the %s update could not be compiled here (%s); using torch's step and a "
                     "separate prediction", name, str(e).splitlines()[0] if str(e) else type(e).__name__)
         _compiled[name] = None
