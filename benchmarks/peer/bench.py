@@ -195,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed batches per measurement")
     ap.add_argument("--warmup", type=int, default=2, help="untimed batches first, on each side")
     ap.add_argument("--pairs", "--repeats", dest="repeats", type=int, default=7,
-                    help="torch/rayspec measurement pairs per runner (7: the median's spread below 0.05 here)")
+                    help="torch/rayspec measurement pairs per runner; each ratio is printed with its median's spread "
+                         "(half its 95 %% bootstrap interval), which says whether they sufficed")
     ap.add_argument("--microbatch-size", type=int, default=None,
                     help="samples per micro-batch (batch = this x microbatches; default: batch / microbatches)")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
