@@ -1,7 +1,7 @@
 """Peer comparison: rayspec on Ray against ``torch.distributed.pipelining`` on the same 2-stage split.
 
     python -m benchmarks.peer [--quick] [--model mlp] [--size full] [--batch 256] [--microbatches 8]
-                              [--steps 20] [--repeats 3] [--transports p2p,compiled,object_store]
+                              [--steps 20] [--pairs 7] [--microbatch-size B] [--transports p2p,compiled,object_store]
 
 The model (default: the ``full`` MLP, 8 hidden 1024-wide blocks, on ``(3, 32, 32)`` images) is cut
 into 2 stages by parameters; both sides start from the same weights, see the same batches
