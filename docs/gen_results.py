@@ -230,6 +230,25 @@ def _rows(d: dict[str, Any]) -> list[str]:
     return _flat(d["rows"])
 
 
+def stage_cost(d: dict[str, Any]) -> list[str]:
+    lines = _flat(d["rows"])
+    if "roofline" in d:
+        lines += ["", "The update work on stage 0's parameter shapes against a plain `copy_` of the same size (passes: "
+                  "parameter-sized tensors read or written; GBps: the minimum's bytes over the time):", "",
+                  *_flat(d["roofline"]), "", "Levers: " + ", ".join(f"{k} {v}" for k, v in d["levers"].items()) + "."]
+    return lines
+
+
+def peer_crossover(d: dict[str, Any]) -> list[str]:
+    lines = peer(d)
+    c = d.get("crossover")
+    if c:
+        lines += ["", "Spectrain per micro-batch against torch's `Schedule1F1B`, predicted per micro-batch size from "
+                  "the compute alone, the hop and the update (`benchmarks/peer/crossover.py`):", "",
+                  *_flat(c["rows"]), "", f"Predicted crossover: micro-batch size {c['crossover_microbatch_size']}."]
+    return lines
+
+
 BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("communication", "python -m benchmarks.communication", communication),
     ("memory", "python -m benchmarks.memory", memory),
@@ -243,6 +262,8 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
      "--out peer_interleaved", peer),
     ("peer_optim", "python -m benchmarks.peer --transports p2p --runners 1f1b-flushed,spectrain,spectrain-grouped "
      "--out peer_optim", peer),
+    ("peer_speed", "python -m benchmarks.peer --transports p2p --runners gpipe,1f1b,spectrain,spectrain-grouped "
+     "--steps 10 --out peer_speed", peer_crossover),
     ("peer_nice0", "python -m benchmarks.peer --transports object_store --runners gpipe,1f1b-flushed "
      "--worker-niceness 0 --out peer_nice0", peer),
     ("peer_nice0_b", "python -m benchmarks.peer --transports object_store --runners gpipe,1f1b-flushed "
@@ -268,7 +289,7 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("recovery_node_loss", "python -m benchmarks.recovery --parts nodes --out recovery_node_loss", recovery_nodes),
     ("driver", "python -m benchmarks.driver", driver),
     ("overhead", "python -m benchmarks.overhead", _rows),
-    ("stage_cost", "python -m benchmarks.stage_cost", _rows),
+    ("stage_cost", "python -m benchmarks.stage_cost", stage_cost),
     ("probe", "python -m benchmarks.probe", _rows),
     ("study_lr", "python -m benchmarks.studies.lr", study_lr),
     ("study_lr_real", "python -m benchmarks.studies.lr --real", study_lr),

@@ -46,6 +46,7 @@ class PeerConfig:
         batch: samples per batch (one update each for the flushed schedules).
         microbatches: ``M``, micro-batches per batch.
         lr, momentum: SGD settings of both sides.
+        compile: rayspec's ``optim.compile`` (its predicting runners' update and prediction in one compiled pass).
         pool: distinct batches generated up front and cycled (no data loading in the timings).
         seed: seeds the weights and the batches.
     """
@@ -58,6 +59,7 @@ class PeerConfig:
     momentum: float = 0.9
     pool: int = 4
     seed: int = 0
+    compile: bool = False
 
 
 # ----------------------------------------------------------------------------- shared set-up

@@ -35,7 +35,7 @@ class RayspecRunner:
         method = runner_method(runner)
         schedule = rayspec_schedule(runner, cfg.microbatches, 1)
         self.group = schedule.group
-        spec = StageSpec(lr=cfg.lr, optim=OptimSpec(momentum=cfg.momentum), group=self.group)
+        spec = StageSpec(lr=cfg.lr, optim=OptimSpec(momentum=cfg.momentum, compile=cfg.compile), group=self.group)
         stages = make_stages([copy.deepcopy(p) for p in parts], method, spec)
         self.batches = make_batches(cfg)
         self.done = 0

@@ -1,7 +1,7 @@
 """Peer comparison: rayspec on Ray against ``torch.distributed.pipelining`` on the same 2-stage split.
 
     python -m benchmarks.peer [--quick] [--model mlp] [--size full] [--batch 256] [--microbatches 8]
-                              [--steps 20] [--repeats 3] [--transports p2p,compiled,object_store]
+                              [--steps 20] [--pairs 7] [--microbatch-size B] [--transports p2p,compiled,object_store]
 
 The model (default: the ``full`` MLP, 8 hidden 1024-wide blocks, on ``(3, 32, 32)`` images) is cut
 into 2 stages by parameters; both sides start from the same weights, see the same batches
@@ -84,6 +84,7 @@ from benchmarks._shared.processes import start_ray
 from benchmarks._shared.rayspec_peer import RayspecRunner
 from benchmarks._shared.results import table, write
 from benchmarks._shared.torch_peer import TorchPeer
+from benchmarks.peer import crossover
 from rayspec.errors import RayspecError
 
 
@@ -176,6 +177,29 @@ def _refusal(runner: str, transport: str, error: Exception) -> dict:
             "like_for_like": LIKE_FOR_LIKE[runner], "error": f"refused: {error}"}
 
 
+def _crossover(parts: Sequence[nn.Module], cfg: PeerConfig, sizes: list[int], peer: TorchPeer,
+               rows: list[dict]) -> dict:
+    """The predicted crossover of spectrain per micro-batch against torch's 1F1B (``crossover.py``), printed beside
+    the ratio measured at this run's micro-batch size."""
+    costs = crossover.update_costs(parts, cfg, cfg.compile)
+    b = cfg.batch // cfg.microbatches
+    table_rows = crossover.predict(parts, cfg, sorted(set(sizes) | {b}), costs, peer.hop_s)
+    measured = {r["transport"]: r["ratio"] for r in rows if r["runner"] == "spectrain"}
+    for row in table_rows:
+        row["measured_ratio"] = ", ".join(f"{t} {v:.2f}" for t, v in measured.items()) if row["microbatch_size"] == b \
+            else "-"
+    size = crossover.crossover(table_rows)
+    print("\nspectrain per micro-batch against torch's Schedule1F1B, ms per batch predicted from the compute alone, "
+          "the hop and the update (ratio: torch / spectrain; above 1 spectrain is faster):")
+    print("update per micro-batch (step + prediction), ms: " + ", ".join(
+        f"stage {k} {c['update'] * 1e3:.2f} (torch's step alone {c['step'] * 1e3:.2f})" for k, c in costs.items()))
+    print(table(table_rows, list(table_rows[0])))
+    print(f"predicted crossover: spectrain per micro-batch beats torch's 1F1B from micro-batch size {size} on"
+          if size is not None else "predicted crossover: none among these sizes")
+    return {"update_ms": {k: {n: v * 1e3 for n, v in c.items()} for k, c in costs.items()}, "rows": table_rows,
+            "crossover_microbatch_size": size, "compiled": cfg.compile}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps, one pair per runner")
@@ -185,7 +209,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20, help="timed batches per measurement")
     ap.add_argument("--warmup", type=int, default=2, help="untimed batches first, on each side")
-    ap.add_argument("--repeats", type=int, default=3, help="torch/rayspec measurement pairs per runner")
+    ap.add_argument("--pairs", "--repeats", dest="repeats", type=int, default=7,
+                    help="torch/rayspec measurement pairs per runner; each ratio is printed with its median's spread "
+                         "(half its 95 %% bootstrap interval), which says whether they sufficed")
+    ap.add_argument("--microbatch-size", type=int, default=None,
+                    help="samples per micro-batch (batch = this x microbatches; default: batch / microbatches)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="rayspec without optim.compile (its predicting runners' update and prediction apart)")
+    ap.add_argument("--crossover-sizes", default="8,16,32,64,128",
+                    help="micro-batch sizes of the predicted crossover (spectrain against torch's 1F1B); empty: none")
     ap.add_argument("--transports", default="p2p,compiled,object_store")
     ap.add_argument("--runners", default=",".join(RAYSPEC_RUNNERS + NOT_ON_RAY),
                     help="rayspec runners (1f1b-flushed: the former name of 1f1b)")
@@ -198,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.worker_niceness is not None:
         os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
     steps, repeats = (5, 1) if args.quick else (args.steps, args.repeats)
-    cfg = PeerConfig(args.model, args.size, args.batch, args.microbatches, args.lr, args.momentum)
+    batch = args.batch if args.microbatch_size is None else args.microbatch_size * args.microbatches
+    cfg = PeerConfig(args.model, args.size, batch, args.microbatches, args.lr, args.momentum, compile=args.compile)
     runners = [runner_name(r) for r in args.runners.split(",") if r]
     transports = [t for t in args.transports.split(",") if t]
     torch.set_num_threads(1)
@@ -240,17 +273,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                     row["ideal_step_ms"] = ideal_step_s(runner, m, durations) * 1e3
                     row["torch_ideal_step_ms"] = ideal_step_s(row["torch"], m, durations) * 1e3
                     row["actions_per_batch"] = sum(len(a) for a in rayspec_schedule(runner, m, 1).actions)
+                    row["median_spread"] = crossover.median_spread(row["ratios"])
                     rows.append(row)
                     print(f"  {runner} on {transport}: rayspec {row['rayspec_samples_per_s']:.0f} samples/s, "
-                          f"torch {row['torch']} {row['torch_samples_per_s']:.0f}, ratio {row['ratio']:.2f}")
+                          f"torch {row['torch']} {row['torch_samples_per_s']:.0f}, ratio {row['ratio']:.2f} "
+                          f"± {row['median_spread']:.2f}")
         finally:
             ray.shutdown()
-    print("\nthroughput (samples/s; ratio = rayspec / torch, median over interleaved pairs):")
+        sizes = [int(b) for b in args.crossover_sizes.split(",") if b]
+        predicted = _crossover(parts, cfg, sizes, peer, rows) if sizes else {}
+    print("\nthroughput (samples/s; ratio = rayspec / torch, median over interleaved pairs ± half its 95 % bootstrap "
+          "interval):")
     print(table([{
         "rayspec": r["runner"], "transport": r["transport"], "vs torch": r["torch"],
         "like-for-like": "yes" if r["like_for_like"] else "no",
         "rayspec s/s": f"{r['rayspec_samples_per_s']:.0f}", "torch s/s": f"{r['torch_samples_per_s']:.0f}",
-        "ratio": f"{r['ratio']:.2f}", "pairs": " ".join(f"{v:.2f}" for v in r["ratios"]),
+        "ratio": f"{r['ratio']:.2f} ± {r['median_spread']:.2f}", "pairs": " ".join(f"{v:.2f}" for v in r["ratios"]),
         "max |loss diff|": "-" if r["max_loss_diff"] is None else f"{r['max_loss_diff']:.1e}",
     } for r in rows], ["rayspec", "transport", "vs torch", "like-for-like", "rayspec s/s", "torch s/s", "ratio",
                        "pairs", "max |loss diff|"]))
@@ -298,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                           "steps": steps, "warmup": args.warmup,
                           "repeats": repeats, "activation_shape": list(act_shape),
                           "compute_ms": {f"{k}{kind}": v * 1e3 for (k, kind), v in compute.items()},
-                          "hop_ms": {k: v * 1e3 for k, v in hops.items()}, "rows": rows, "refused": refusals},
+                          "hop_ms": {k: v * 1e3 for k, v in hops.items()}, "rows": rows, "refused": refusals,
+                          "crossover": predicted},
                   quick=args.quick)
     print(f"wrote {path}")
 

@@ -208,6 +208,10 @@ class OptimConfig(Section):
     fused: bool = True
     """torch's fused optimizer kernels (one pass per tensor; on CPU AdamW's is 5-7x faster); false: its foreach
     kernels, bit-exact with torch's per-tensor loops (the fused ones differ by rounding)."""
+    compile: bool = False
+    """SpecTrain's update and the prediction that follows it as one ``torch.compile``d pass over memory
+    (``rayspec.core.fused``; ``sgd`` with momentum, ``adam``, ``adamw``): faster per micro-batch, equal to torch's
+    step to rounding; each process compiles once (seconds). Other methods keep torch's step."""
     clip_grad_norm: float | None = None
     """Clip each update's gradient to this 2-norm (null: off). ``vanilla`` and ``gpipe`` clip by the norm over all
     stages, as clipping the whole model in one process; the asynchronous methods by each stage's own norm."""
@@ -240,6 +244,8 @@ class OptimConfig(Section):
             raise ConfigError(f"optim.eps={self.eps!r} must be a positive number, e.g. optim.eps=1e-8")
         if not isinstance(self.fused, bool):
             raise ConfigError(f"optim.fused={self.fused!r} must be true or false")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"optim.compile={self.compile!r} must be true or false")
         if self.clip_grad_norm is not None and (not number(self.clip_grad_norm) or self.clip_grad_norm <= 0):
             raise ConfigError(f"optim.clip_grad_norm={self.clip_grad_norm!r} must be a positive number, e.g. "
                               "optim.clip_grad_norm=1.0 (or null for no clipping)")

@@ -16,7 +16,10 @@ one pass over each parameter's weights, gradient and state; on CPU AdamW's is 5-
 per-tensor loop and SGD's 1.4x), else its foreach kernel. The foreach kernels compute what torch's
 per-tensor loops compute, bit for bit (and SGD's what the hand-written SGD that this module replaced
 computed); the fused ones differ from them by rounding (they contract multiply-adds), so a test that wants
-equality compares with torch's optimizer of the same kernel.
+equality compares with torch's optimizer of the same kernel. With ``compile`` a predicting stage's update and
+the prediction after it run as one compiled pass instead (``rayspec.core.fused``, [Note: one pass]; equal to
+torch's step to rounding, its state in torch's format); ``direction_at`` gives the direction at a probe's
+sampled positions without computing all of it.
 
 [Note: the next step] SpecTrain extrapolates an optimizer's step. Each optimizer states the step it would
 take next from its current state, if the state stayed as it is, as
@@ -43,6 +46,7 @@ from typing import Any
 
 import torch
 
+from rayspec.core.fused import adam_step, sgd_step
 from rayspec.errors import unknown
 
 __all__ = ["OPTIMIZERS", "OptimSpec", "Optimizer", "Rule", "sgd_state"]
@@ -58,6 +62,8 @@ class OptimSpec:
         weight_decay: L2 for SGD and Adam (it enters the gradient), decoupled for AdamW.
         betas, eps: Adam's and AdamW's.
         fused: torch's fused kernels where the device has them, else (and with False) the foreach ones.
+        compile: where a prediction follows the update, the step and the prediction as one compiled pass
+            (``rayspec.core.fused``); torch's step everywhere else.
     """
 
     name: str = "sgd"
@@ -68,6 +74,7 @@ class OptimSpec:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     fused: bool = True
+    compile: bool = False
 
 
 class Rule(ABC):
@@ -93,6 +100,15 @@ class Rule(ABC):
         """The decoupled weight decay ``wd`` of ``W <- (1 - lr * wd) * W - ...``."""
         return 0.0
 
+    def direction_at(self, opt: Optimizer, index: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """``D`` per parameter at the flat positions ``index[k]`` only, equal to ``direction``'s there."""
+        return [None if d is None else d.reshape(-1).index_select(0, i) for d, i in zip(self.direction(opt), index)]
+
+    def fused_step(self, opt: Optimizer, lr: float, a: float, b: float, out: Sequence[torch.Tensor]) -> bool:
+        """The step at ``lr`` and ``out = a * W + b * D`` of the new state in one pass (``rayspec.core.fused``);
+        False, with nothing written, where this optimizer or its state has no such pass."""
+        return False
+
 
 class _SGD(Rule):
     name = "sgd"
@@ -111,6 +127,14 @@ class _SGD(Rule):
 
     def factor(self, spec: OptimSpec, version: int, i: int, decaying: bool) -> float:
         return spec.momentum**i if decaying else 1.0
+
+    def fused_step(self, opt: Optimizer, lr: float, a: float, b: float, out: Sequence[torch.Tensor]) -> bool:
+        state = opt.torch.state
+        buffers = [state[x].get("momentum_buffer") if x in state else None for x in opt.aliases]
+        if opt.spec.momentum == 0 or any(t is None for t in buffers):  # no buffer yet: torch makes it
+            return False
+        grads = [p.grad for p in opt.params]
+        return sgd_step(opt.aliases, grads, buffers, out, lr, opt.spec, a, b)  # type: ignore[arg-type]
 
 
 class _Adam(Rule):
@@ -141,6 +165,28 @@ class _Adam(Rule):
             torch.div(st["exp_avg"], d, out=d).div_(1 - b1**t)
             found.append(d)
         return found
+
+    @torch.no_grad()
+    def direction_at(self, opt: Optimizer, index: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        b1, b2 = opt.spec.betas
+        found: list[torch.Tensor | None] = []
+        for a, i in zip(opt.aliases, index):
+            st = opt.torch.state.get(a)
+            if not st or "exp_avg" not in st:
+                found.append(None)
+                continue
+            t = float(st["step"]) + 1  # the same operations as direction's, on the sampled positions
+            d = torch.sqrt(st["exp_avg_sq"].reshape(-1).index_select(0, i))
+            d.div_(math.sqrt(1 - b2**t)).add_(opt.spec.eps)
+            found.append(torch.div(st["exp_avg"].reshape(-1).index_select(0, i), d).div_(1 - b1**t))
+        return found
+
+    def fused_step(self, opt: Optimizer, lr: float, a: float, b: float, out: Sequence[torch.Tensor]) -> bool:
+        states = [opt.torch.state.get(x) or {} for x in opt.aliases]
+        if any("exp_avg" not in st for st in states) or len({float(st["step"]) for st in states}) != 1:
+            return False  # before the first step, or parameters at different step counts
+        grads = [p.grad for p in opt.params]
+        return adam_step(opt.aliases, grads, states, out, lr, opt.spec, self.decoupled, a, b)  # type: ignore[arg-type]
 
     def factor(self, spec: OptimSpec, version: int, i: int, decaying: bool) -> float:
         b1, b2 = spec.betas
@@ -202,8 +248,23 @@ class Optimizer:
         return self.rule.factor(self.spec, version, i, decaying)
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
-        """One update at learning rate ``lr`` from the parameters' gradients (those without one are left alone)."""
+    def step(self, lr: float, predict: tuple[float, float, Sequence[torch.Tensor]] | None = None) -> bool:
+        """One update at learning rate ``lr`` from the parameters' gradients (those without one are left alone).
+
+        Args:
+            predict: ``(a, b, out)``: with ``spec.compile``, also write ``a * W + b * D`` of the new state into
+                ``out`` in the same pass where the optimizer has one (``rayspec.core.fused``).
+
+        Returns:
+            Whether ``out`` holds the prediction (else the caller computes it).
+        """
+        if (predict is not None and self.spec.compile and not self.keep_last and _fusable(self.aliases)
+                and all(p.grad is not None for p in self.params)):
+            for group in self.torch.param_groups:
+                group["lr"] = lr
+            if self.rule.fused_step(self, lr, *predict):
+                self._direction = None
+                return True
         if self.keep_last:
             wd = self.spec.weight_decay
             for i, p in enumerate(self.params):
@@ -217,6 +278,7 @@ class Optimizer:
         for a in self.aliases:
             a.grad = None
         self._direction = None
+        return False
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -227,6 +289,12 @@ class Optimizer:
         if self._direction is None:
             self._direction = self.rule.direction(self)
         return self._direction
+
+    def direction_at(self, index: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """``D`` per parameter at the flat positions ``index[k]`` (a probe's sample) without computing all of it."""
+        if self._direction is not None:
+            return [None if d is None else d.reshape(-1).index_select(0, i) for d, i in zip(self._direction, index)]
+        return self.rule.direction_at(self, index)
 
     def buffers(self) -> list[torch.Tensor]:
         """Parameter-shaped scratch the direction may be computed into (allocated on first use)."""

@@ -120,12 +120,22 @@ class PredictionProbe:
             return torch.zeros(0, dtype=torch.float64)
         return torch.cat(parts).to("cpu", torch.float64)
 
+    def sample_direction(self, direction: Sequence[torch.Tensor | None] | Optimizer) -> torch.Tensor:
+        """The sampled coordinates of the direction: given per parameter, or asked of the optimizer for those
+        coordinates only (Adam's is not computed in full for them)."""
+        if not isinstance(direction, Optimizer):
+            return self.sample(direction)
+        picked = direction.direction_at(self.index)
+        parts = [self._zeros[k] if (t := picked[k]) is None else t for k in self._used]
+        return torch.cat(parts).to("cpu", torch.float64) if parts else torch.zeros(0, dtype=torch.float64)
+
     def held(self, version: int, params: list[torch.nn.Parameter],
-             direction: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples of the stored weights and the optimizer's direction at ``version``, taken once per version
-        (both change only when the version does); call it only while the storage holds the stored weights."""
+             direction: Sequence[torch.Tensor | None] | Optimizer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples of the stored weights and the optimizer's direction at ``version`` (per parameter, or the
+        optimizer's), taken once per version (both change only when the version does); call it only while the
+        storage holds the stored weights."""
         if self._held is None or self._held[0] != version:
-            self._held = (version, self.sample(params), self.sample(direction))
+            self._held = (version, self.sample(params), self.sample_direction(direction))
         return self._held[1], self._held[2]
 
     def forget(self) -> None:
@@ -142,9 +152,10 @@ class PredictionProbe:
         step (``s`` times the optimizer's next step) is ``paper_step``."""
         self.pending.setdefault(target, []).append((stale, predicted, paper_step))
 
-    def reached(self, version: int, params: list[torch.nn.Parameter], direction: list[torch.Tensor | None]) -> None:
-        """The stage now holds ``version`` (weights ``params``, the optimizer's direction ``direction``): score
-        the predictions that aimed at it."""
+    def reached(self, version: int, params: list[torch.nn.Parameter],
+                direction: Sequence[torch.Tensor | None] | Optimizer) -> None:
+        """The stage now holds ``version`` (weights ``params``, the optimizer's direction ``direction``, or the
+        optimizer whose it is): score the predictions that aimed at it."""
         waiting = self.pending.pop(version, None)
         if not waiting:
             return

@@ -237,12 +237,13 @@ class Stage(SplitBackward):
                 raise FloatingPointError(f"{problem} at update {self.version + 1} on stage {self.index}; "
                                          "lower optim.lr or add warm-up (optim.warmup)")
         self.weights.updating(self.version)  # 2bw: keeps the version its forwards in flight ran at
-        self.optimizer.step(self.lr(self.version))
+        ahead = self.weights.ahead(self.version + 1)  # optim.compile: the next prediction, in the update's pass
+        predicted = self.optimizer.step(self.lr(self.version), ahead)
         self.optimizer.zero_grad()
         self.version += 1
         self.pending = 0
         self.waiting = False
-        self.weights.reached(self.version)
+        self.weights.reached(self.version, ahead if predicted else None)
         if self.version == 1:  # the optimizer's state exists from the first step on
             self._track_memory()
 

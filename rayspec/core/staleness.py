@@ -48,6 +48,9 @@ class ActionWeights:
         self.records: list[dict[str, Any]] = []
         self.stash: dict[int, tuple[list[torch.Tensor], int]] = {}  # version -> (weights, users)
         self.scratch: list[torch.Tensor] | None = None  # one copy, allocated on first use
+        # ((version, a, b), per parameter the scratch tensor or None): the prediction the scratch copy holds
+        self.ready: tuple[tuple[int, float, float], list[torch.Tensor | None]] | None = None
+        self.ahead_s: int | None = None  # s of the first prediction since the last update
         self.on_memory = on_memory
         self.two = TwoVersions(self)
 
@@ -84,28 +87,36 @@ class ActionWeights:
     def _predicted(self, kind: str, m: int, s: int, version: int) -> contextlib.AbstractContextManager[None]:
         if self.policy != "predict" or s == 0:
             return self._swapped(kind, m, s, version, None)
+        if self.ahead_s is None:  # the first prediction since the update: the next update prepares its like
+            self.ahead_s = s
         damping = self.probe.damping() if self.probe is not None else 1.0
         a, b = coefficients(self.predictor, s, version, self.lr, self.optimizer, damping)
-        direction = self.optimizer.direction()
-        # Before the first update there is no direction yet: nothing to predict.
-        predicted: list[Swap] = [None if d is None else (d, a, b) for d in direction]
-        scored = self.probe is not None and any(d is not None for d in direction)
-        return self._swapped(kind, m, s, version, predicted, target=version + s if scored else None)
+        key = (version, a, b)
+        if self.ready is not None and self.ready[0] == key:  # the scratch copy holds this prediction already
+            predicted: list[Swap] = list(self.ready[1])
+        else:
+            # Before the first update there is no direction yet: nothing to predict.
+            predicted = [None if d is None else (d, a, b) for d in self.optimizer.direction()]
+        scored = self.probe is not None and any(d is not None for d in predicted)
+        return self._swapped(kind, m, s, version, predicted, target=version + s if scored else None, key=key)
 
     @contextlib.contextmanager
     def _swapped(self, kind: str, m: int, s: int, version: int, swaps: Sequence[Swap] | None,
-                 target: int | None = None) -> Iterator[None]:
+                 target: int | None = None, key: tuple[int, float, float] | None = None) -> Iterator[None]:
         """Put ``swaps`` into the parameter storage (``WeightSwap``) for the action, restored afterwards; with
-        ``target``, the probe scores this prediction once the stage holds that version; with ``record``, the
-        weights before, during and after the action are kept."""
+        ``target``, the probe scores this prediction once the stage holds that version; with ``key``, the
+        scratch copy holds that prediction afterwards; with ``record``, the weights before, during and after the
+        action are kept."""
         before = [p.data.clone() for p in self.params] if self.record else None
         probe = self.probe if target is not None else None
-        direction = self.optimizer.direction() if probe is not None or self.record else []
-        stale, held = probe.held(version, self.params, direction) if probe else (None, None)
+        direction = self.optimizer.direction() if self.record else []
+        stale, held = probe.held(version, self.params, self.optimizer) if probe else (None, None)
         used: list[torch.Tensor] | None = None
         kept: list[torch.Tensor | None] | None = None
         try:
             with WeightSwap(self.optimizer.aliases, swaps, self._scratch):
+                if key is not None and swaps is not None:
+                    self._prepared(key, swaps)
                 if probe is not None and stale is not None and held is not None and target is not None:
                     a, b = coefficients("linear", s, version, self.lr, self.optimizer)
                     paper = held * b if a == 1.0 else stale * (a - 1.0) + held * b
@@ -141,10 +152,29 @@ class ActionWeights:
             self.on_memory()
         return self.scratch
 
-    def reached(self, version: int) -> None:
-        """The stage now holds ``version``: the probe scores the predictions that aimed at it."""
+    def _prepared(self, key: tuple[int, float, float], swaps: Sequence[Swap]) -> None:
+        """The scratch copy holds the prediction ``key`` (version, a, b) for the parameters that ``swaps`` predict."""
+        scratch: Sequence[torch.Tensor | None] = self.scratch or [None] * len(swaps)  # none: nothing predicted
+        self.ready = (key, [None if x is None else t for x, t in zip(swaps, scratch)])
+
+    def ahead(self, version: int) -> tuple[float, float, list[torch.Tensor]] | None:
+        """``(a, b, scratch)`` of the prediction the first action at ``version`` will ask for, like the last
+        version's first one, for the update to compute in its pass (``Optimizer.step``); None where no
+        prediction follows, the optimizer does not compile its update, or ``adaptive``'s damping is only known
+        after the update."""
+        s, self.ahead_s = self.ahead_s, None
+        if self.policy != "predict" or not s or not self.optimizer.spec.compile or self.predictor == "adaptive":
+            return None
+        a, b = coefficients(self.predictor, s, version, self.lr, self.optimizer)
+        return a, b, self._scratch()
+
+    def reached(self, version: int, ahead: tuple[float, float, list[torch.Tensor]] | None = None) -> None:
+        """The stage now holds ``version`` (with ``ahead``: the update wrote that prediction into the scratch
+        copy): the probe scores the predictions that aimed at it."""
+        if ahead is not None:
+            self.ready = ((version, ahead[0], ahead[1]), list(ahead[2]))
         if self.probe is not None and version in self.probe.pending:  # the direction only where it is needed
-            self.probe.reached(version, self.params, self.optimizer.direction())
+            self.probe.reached(version, self.params, self.optimizer)
 
     def bytes(self, weights: int) -> dict[str, int]:
         """Bytes of the scratch copy and the stash, for weights of ``weights`` bytes."""
@@ -154,4 +184,5 @@ class ActionWeights:
         """Forget the copies (a drained stage moved or reloaded): no stash, a new scratch on next use."""
         self.stash.clear()
         self.scratch = None
+        self.ready = None
         self.two.clear()

@@ -189,7 +189,7 @@ def stage_spec(config: Config) -> StageSpec:
     stages from it; ``make_stages`` adds the method's policy)."""
     o, p = config.optim, config.pipeline
     optim = OptimSpec(o.name, o.momentum, o.weight_decay, o.dampening, o.nesterov,
-                      (float(o.betas[0]), float(o.betas[1])), o.eps, o.fused)
+                      (float(o.betas[0]), float(o.betas[1])), o.eps, o.fused, o.compile)
     return StageSpec(lr=lr_schedule(config), optim=optim, clip_grad_norm=o.clip_grad_norm,
                      precision=config.train.precision, group=p.group, backward=p.backward, seed=config.seed,
                      trace=config.trace, predictor=p.predictor, probe=p.probe)
