@@ -1,6 +1,6 @@
 """``python -m rayspec.study runner=tune``: a study's runs as Ray Tune trials, side by side and across a cluster's nodes.
 
-Each run is one trial of a grid over method × stages × seed with the study's settings; it trains through
+Each run is one trial of a grid over the planned runs (method × stages × seed, and the rate sweep); it trains through
 ``rayspec.cli.study_run.train_run``, as the sequential runner does, into the same ``runs/<name>/`` folder of the
 study's output directory, which must be on storage that every node mounts. A trial's placement group is one
 bundle of ``threads`` CPUs with the local executor (the trial's process trains every stage), or a driver bundle
