@@ -40,13 +40,13 @@ def project(study_name: str, timed: dict[str, float], parallel: int) -> dict[str
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--study", required=True)
-    ap.add_argument("--methods", default="gpipe,async,spectrain-paper,zb1p")
+    ap.add_argument("--methods", default="gpipe,async,pipedream,spectrain-paper,zb1p")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parallel", type=int, default=2, help="runs trained side by side in the full protocol")
     ap.add_argument("--results", default="study_budget")
     ap.add_argument("--out", default="outputs/study_budget")
     args = ap.parse_args(argv)
-    study = load_study(args.study, seeds=[args.seed])
+    study = load_study(args.study, seeds=[args.seed], lr_sweep=False)
     n = max(study.stages)
     rows = []
     for label in [BASELINE, *args.methods.split(",")]:

@@ -155,7 +155,7 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
         ref: a study name in ``rayspec/experiments/studies/`` or a path to a study file.
         overrides: training overrides from the command line (after the file's ``overrides``).
         **options: study settings that win over the file's (``methods``, ``stages``, ``seeds``, ``output_dir``,
-            ``executor``).
+            ``executor``, ``lr_sweep``: False drops the file's).
 
     Raises:
         StudyError: the file, a key, a value or a composed training config is invalid.
@@ -179,7 +179,7 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
         stages=_list(name, "stages", raw.get("stages", [2, 4]), int),
         seeds=_list(name, "seeds", raw.get("seeds", [0, 1, 2]), int),
         output_dir=str(raw.get("output_dir") or ""), description=str(raw.get("description") or "").strip(),
-        threads=raw.get("threads", 1), lr_sweep=raw.get("lr_sweep"),
+        threads=raw.get("threads", 1), lr_sweep=raw.get("lr_sweep") or None,
     )
     _check(study)
     _check_sweep(study)
