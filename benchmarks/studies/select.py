@@ -139,13 +139,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 def final(study_name: str, seeds: list[int], results: str, out: Path) -> None:
     """The study's sequential baseline on the test split, per seed: mean ± std of the score against the floor."""
     rows = [probe(study_name, [], [], seed, out, split="test") for seed in seeds]
+    path = results_dir(False) / f"{results}.json"
+    fresh = json.loads(path.read_text()) if path.exists() else {}  # other seeds may come from another process
+    studies = fresh.get("studies", {})
+    earlier = studies.get(study_name, {}).get("sequential_test", {}).get("rows", [])
+    rows = sorted([r for r in earlier if r["seed"] not in seeds] + rows, key=lambda r: r["seed"])
     scores = [r["score"] for r in rows if r["score"] is not None]
     summary = {"rows": rows, "mean": statistics.fmean(scores) if scores else None,
                "std": statistics.stdev(scores) if len(scores) > 1 else None}
-    print(f"{study_name} sequential on the test split: {summary['mean']} ± {summary['std']}", flush=True)
-    path = results_dir(False) / f"{results}.json"
-    fresh = json.loads(path.read_text()) if path.exists() else {}
-    studies = fresh.get("studies", {})
+    print(f"{study_name} sequential on the test split, seeds {[r['seed'] for r in rows]}: {summary['mean']} ± "
+          f"{summary['std']}", flush=True)
     studies.setdefault(study_name, {})["sequential_test"] = summary
     write(results, {**{k: v for k, v in fresh.items() if k not in ("benchmark", "machine", "date", "commit")},
                     "studies": studies})
