@@ -226,6 +226,40 @@ def study_lr(d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def study_select(d: dict[str, Any]) -> list[str]:
+    lines = [f"Score: {d.get('score')}. Rules: rate: {d['rules']['rate']}; other steps: {d['rules']['other']}.", ""]
+    for name, s in d["studies"].items():
+        for step in s.get("steps", []):
+            by: dict[str, list[dict[str, Any]]] = {}
+            for r in step["rows"]:
+                by.setdefault(r["value"], []).append(r)
+            lines += [f"`{name}`, {step['step']} (with {' '.join(step['set']) or 'the study file'}): chosen "
+                      f"{step['chosen']}", ""]
+            lines += _table(["value", "scores by seed %", "mean %", "CPU s"],
+                            ([v, " / ".join(f"{100 * r['score']:.2f}" if r["score"] is not None else r["status"]
+                                            for r in rs),
+                              f"{100 * sum(r['score'] or 0 for r in rs) / len(rs):.2f}",
+                              rs[0].get("cpu_seconds", "–")] for v, rs in by.items()))
+            lines.append("")
+        if "sequential_test" in s:
+            t = s["sequential_test"]
+            lines += [f"`{name}`: the sequential baseline on the test split, {len(t['rows'])} seeds: "
+                      f"{100 * t['mean']:.2f} ± {100 * (t['std'] or 0):.2f} %", ""]
+    return lines
+
+
+def study_budget(d: dict[str, Any]) -> list[str]:
+    lines = [d["note"], ""]
+    for name, s in d["studies"].items():
+        p = s["projection"]
+        lines += [f"`{name}`: {p['runs']} runs, {p['cpu_seconds']} CPU s, {p['hours']} h at {p['parallel']} runs at "
+                  "a time", ""]
+        lines += _table(["method", "N", "status", "wall s", "CPU s"],
+                        ([r["label"], r["stages"], r["status"], r["seconds"], r["cpu_seconds"]] for r in s["timed"]))
+        lines.append("")
+    return lines
+
+
 def _rows(d: dict[str, Any]) -> list[str]:
     return _flat(d["rows"])
 
@@ -293,6 +327,9 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("probe", "python -m benchmarks.probe", _rows),
     ("study_lr", "python -m benchmarks.studies.lr", study_lr),
     ("study_lr_real", "python -m benchmarks.studies.lr --real", study_lr),
+    ("study_select", "python -m benchmarks.studies.select (the commands in rayspec/experiments/studies/fashion.yaml "
+     "and reviews.yaml)", study_select),
+    ("study_budget", "python -m benchmarks.studies.budget --study fashion (and reviews)", study_budget),
 ]
 """Each record with the command that wrote it and its section's maker, in the page's order."""
 

@@ -155,7 +155,7 @@ def test_bad_studies_stop_before_training(tmp_path, settings, overrides, message
 
 def test_an_unknown_method_label_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"method='spectrain' is unknown in study bad; choose one of .*spectrain-paper"
-                                          r".* \(did you mean 'spectrain-paper'\?\)"):
+                                          r".* \(did you mean 'spectrain-2bw'\?\)"):
         load_study(str(write_study(tmp_path / "bad.yaml", methods=["spectrain"])))
 
 
@@ -199,3 +199,32 @@ def test_a_study_on_the_ray_executor_gives_the_local_table(tmp_path, ray_session
                 assert ray_run["final"][key] == pytest.approx(local["final"][key], rel=1e-5, abs=1e-7), (name, key)
     assert runs["local"]["spectrain-consistent-n4-seed0"]["final"]["distance"] > 1e-4  # not two identical runs
     assert runs["ray"]["spectrain-consistent-n4-seed0"]["final"]["prediction_quality"] is not None
+
+
+def test_the_rate_sweep_plans_reports_and_plots(tmp_path):
+    """lr_sweep: every method and the baseline at each multiple of optim.lr (factor 1: the study's own runs)."""
+    sweep = {"stages": 2, "seeds": [0, 1], "factors": [0.5, 1, 2]}
+    path = write_study(tmp_path / "sweep.yaml", seeds=[0, 1], stages=[2], methods=["async"], lr_sweep=sweep)
+    study = load_study(str(path), output_dir=str(tmp_path / "out"))
+    runs = {r.name: r for r in plan_runs(study)}
+    assert len(runs) == 4 + 2 * 2 * 2
+    assert runs["async-n2-seed1-lr0.2"].reference == f"{BASELINE}-n1-seed1-lr0.2"
+    assert "optim.lr=0.05" in runs["async-n2-seed0-lr0.05"].overrides
+    payload = run_study(study)
+    assert {r["status"] for r in payload["runs"]} == {"ok"} and len(payload["lr_sweep"]) == 2 * 3
+    assert "Accuracy against the learning rate at N = 2" in payload["markdown"]
+    assert "| `async` | " in payload["markdown"] and "Δ vs sequential [95 % CI]" in payload["markdown"]
+    for png in ("accuracy_vs_lr.png", "learning_curves_n2.png"):
+        assert (tmp_path / "out" / png).read_bytes()[:8] == PNG
+    assert all(r["eval_split"] == "test" and r["score"] is not None for r in payload["runs"])
+
+
+@pytest.mark.parametrize("sweep, message", [
+    ({"stages": 4, "seeds": [0]}, "must name stages, seeds, factors"),
+    ({"stages": 3, "seeds": [0], "factors": [1, 2]}, "stages=3 must be one of stages"),
+    ({"stages": 4, "seeds": [7], "factors": [1, 2]}, "among seeds"),
+    ({"stages": 4, "seeds": [0], "factors": [0.5, 2]}, "include 1"),
+])
+def test_bad_rate_sweeps_stop_before_training(tmp_path, sweep, message):
+    with pytest.raises(StudyError, match=message):
+        load_study(str(write_study(tmp_path / "bad.yaml", lr_sweep=sweep)))

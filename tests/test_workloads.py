@@ -11,7 +11,7 @@ from rayspec.data import DATASETS
 from rayspec.models import MODELS
 from rayspec.training import run_training
 
-IMAGE_MODELS = ["mlp", "vgg16", "resnet50", "resnet152", "densenet121", "googlenet", "inception_v4", "snn"]
+IMAGE_MODELS = ["mlp", "vgg16", "resnet50", "resnet152", "densenet121", "googlenet", "inception_v4", "snn", "cnn"]
 TEXT_MODELS = ["transformer", "residual_lstm"]
 
 
@@ -26,7 +26,7 @@ def _overrides(model):
 
 # run with pytest -m slow; in the default set the Transformer runs on Ray in the tuple test below, the quickstart
 # MLP in tests/test_experiments.py
-SLOW = {"vgg16", "resnet50", "resnet152", "densenet121", "googlenet", "inception_v4", "snn", "residual_lstm", "mlp",
+SLOW = {"vgg16", "resnet50", "resnet152", "densenet121", "googlenet", "inception_v4", "snn", "residual_lstm", "mlp", "cnn",
         "transformer"}
 
 

@@ -24,7 +24,7 @@ from rayspec.training.prepare import prepare
 
 __all__ = ["STUDIES", "METHOD_LABELS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
            "find_study", "load_study", "run_config", "has_dropout", "plan_runs", "run_name", "with_overrides", "predicts",
-           "study_settings", "RUNNERS", "baseline_stages", "run_spec"]
+           "study_settings", "RUNNERS", "baseline_stages", "run_spec", "sweep_rates"]
 
 STUDIES = EXPERIMENTS / "studies"
 """The study files shipped inside the package."""
@@ -41,13 +41,18 @@ METHOD_LABELS: dict[str, list[str]] = {
     **{f"spectrain-{variant}-{predictor}": ["pipeline.method=spectrain", f"pipeline.variant={variant}",
                                             f"pipeline.predictor={predictor}"]
        for variant in ("paper", "consistent") for predictor in ("momentum", "adaptive")},
+    "1f1b": ["pipeline.method=1f1b"],
+    "zb1p": ["pipeline.method=zb1p"],
+    "interleaved": ["pipeline.method=interleaved", "pipeline.virtual_stages=2"],
+    "pipedream-2bw": ["pipeline.method=pipedream-2bw"],
+    "spectrain-2bw": ["pipeline.method=spectrain-2bw"],
 }
 """The method labels a study may name (``methods=[...]``), each with the training overrides it stands for: a method of
 the registry ``rayspec.core.methods.METHODS`` with a variant, predictor or backward."""
 DEFAULT_METHODS = ["async", "pipedream", "spectrain-paper", "spectrain-consistent", "gpipe"]
 BASELINE = "sequential"
 """The label of the baseline runs: ``vanilla``, which is sequential training (the run's optimizer)."""
-FILE_KEYS = ("name", "description", "overrides", "methods", "stages", "seeds", "output_dir", "threads")
+FILE_KEYS = ("name", "description", "overrides", "methods", "stages", "seeds", "output_dir", "threads", "lr_sweep")
 CLI_KEYS = ("study", "output_dir", "resume", "methods", "stages", "seeds", "executor", "threads", "runner",
             "max_concurrent_trials")
 RUNNERS = ("sequential", "tune")
@@ -55,7 +60,10 @@ RUNNERS = ("sequential", "tune")
 RUN_FILE = "run.json"
 TRAJECTORY_FILE = "trajectory.pt"
 FINISHED = ("ok", "diverged")
-OWNED = ("pipeline.method", "pipeline.variant", "pipeline.predictor", "pipeline.backward", "pipeline.stages", "seed")
+OWNED = ("pipeline.method", "pipeline.variant", "pipeline.predictor", "pipeline.backward", "pipeline.stages",
+         "pipeline.virtual_stages", "seed")
+SWEEP_KEYS = ("stages", "seeds", "factors")
+"""``lr_sweep``: the stage count, the seeds and the multiples of the study's ``optim.lr`` every method trains at."""
 
 
 class StudyError(RayspecError):
@@ -79,6 +87,9 @@ class Study:
     threads: int | None = 1
     """Torch threads of the process that trains the runs (the local executor runs every stage in it); None:
     torch's default. One thread is as fast for small stages and does not thrash a shared machine."""
+    lr_sweep: dict[str, Any] | None = None
+    """Accuracy against the learning rate: ``{stages: N, seeds: [...], factors: [...]}``; every method and the
+    baseline train at each multiple of ``optim.lr`` at N stages and those seeds (factor 1 is the study's own run)."""
     per_stage_baseline: bool = False
     """Set when the model has active dropout (see the module's note); then one baseline per stage count."""
     base: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -100,16 +111,18 @@ class RunSpec:
     """The run name of the baseline this run is compared with (None for a baseline)."""
     overrides: list[str] = field(default_factory=list)
     """Every training override of the run: ``python -m rayspec.train`` with these trains the same run."""
+    lr: float | None = None
+    """The learning rate of a run of the rate sweep (``Study.lr_sweep``); None: the study's ``optim.lr``."""
 
     @property
     def name(self) -> str:
-        return run_name(self.label, self.stages, self.seed)
+        return run_name(self.label, self.stages, self.seed, self.lr)
 
     @property
     def owned(self) -> list[str]:
-        """The overrides the study sets for this run: method, variant, backward, stage count and seed."""
+        """The overrides the study sets for this run: method, variant, backward, stage count, seed (and rate)."""
         return [*METHOD_LABELS["vanilla" if self.label == BASELINE else self.label], f"pipeline.stages={self.stages}",
-                f"seed={self.seed}"]
+                f"seed={self.seed}", *([f"optim.lr={self.lr}"] if self.lr is not None else [])]
 
 
 def predicts(label: str) -> bool:
@@ -118,8 +131,8 @@ def predicts(label: str) -> bool:
     return METHODS[method].predicts
 
 
-def run_name(label: str, stages: int, seed: int) -> str:
-    return f"{label}-n{stages}-seed{seed}"
+def run_name(label: str, stages: int, seed: int, lr: float | None = None) -> str:
+    return f"{label}-n{stages}-seed{seed}" + (f"-lr{lr:g}" if lr is not None else "")
 
 
 # --------------------------------------------------------------------------- loading and validation
@@ -142,7 +155,7 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
         ref: a study name in ``rayspec/experiments/studies/`` or a path to a study file.
         overrides: training overrides from the command line (after the file's ``overrides``).
         **options: study settings that win over the file's (``methods``, ``stages``, ``seeds``, ``output_dir``,
-            ``executor``).
+            ``executor``, ``lr_sweep``: False drops the file's).
 
     Raises:
         StudyError: the file, a key, a value or a composed training config is invalid.
@@ -166,18 +179,20 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
         stages=_list(name, "stages", raw.get("stages", [2, 4]), int),
         seeds=_list(name, "seeds", raw.get("seeds", [0, 1, 2]), int),
         output_dir=str(raw.get("output_dir") or ""), description=str(raw.get("description") or "").strip(),
-        threads=raw.get("threads", 1),
+        threads=raw.get("threads", 1), lr_sweep=raw.get("lr_sweep") or None,
     )
     _check(study)
+    _check_sweep(study)
     return study
 
 
-def _list(where: str, key: str, value: Any, kind: type) -> list[Any]:
+def _list(where: str, key: str, value: Any, kind: type | tuple[type, ...]) -> list[Any]:
     value = [value] if isinstance(value, (str, int)) and not isinstance(value, bool) else value
     if (not isinstance(value, list) or not value or len(set(value)) != len(value)
             or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)):
         example = "[async, spectrain-paper]" if kind is str else "[2, 4]"
-        raise StudyError(f"{where}: {key}={value!r} must be a non-empty list of distinct {kind.__name__}s, "
+        noun = kind.__name__ if isinstance(kind, type) else "number"
+        raise StudyError(f"{where}: {key}={value!r} must be a non-empty list of distinct {noun}s, "
                          f"e.g. {key}={example}")
     return list(value)
 
@@ -222,6 +237,31 @@ def _check(study: Study) -> None:
     study.per_stage_baseline = has_dropout(prepared.model)
 
 
+def _check_sweep(study: Study) -> None:
+    """Check ``lr_sweep``: its keys, a stage count and seeds of the study's own, positive factors including 1."""
+    sweep = study.lr_sweep
+    if sweep is None:
+        return
+    where = f"{study.name}: lr_sweep"
+    if not isinstance(sweep, dict) or set(sweep) != set(SWEEP_KEYS):
+        raise StudyError(f"{where}={sweep!r} must name {', '.join(SWEEP_KEYS)}, e.g. lr_sweep: {{stages: 4, seeds: "
+                         f"[0, 1], factors: [0.333, 0.577, 1, 1.732, 3]}}")
+    seeds, factors = _list(where, "seeds", sweep["seeds"], int), _list(where, "factors", sweep["factors"], (int, float))
+    if sweep["stages"] not in study.stages or not set(seeds) <= set(study.seeds):
+        raise StudyError(f"{where}: stages={sweep['stages']!r} must be one of stages={study.stages} and seeds="
+                         f"{seeds} among seeds={study.seeds} (factor 1 is the study's own run)")
+    if 1 not in factors or any(f <= 0 for f in factors):
+        raise StudyError(f"{where}: factors={factors} must be positive multiples of optim.lr and include 1")
+
+
+def sweep_rates(study: Study) -> list[float | None]:
+    """The learning rates of the rate sweep, None standing for the study's own (factor 1); [] without a sweep."""
+    if study.lr_sweep is None:
+        return []
+    lr = float(run_config(study, RunSpec(BASELINE, 1, study.seeds[0], None)).optim.lr)
+    return [None if f == 1 else float(f"{f * lr:.4g}") for f in study.lr_sweep["factors"]]
+
+
 def run_config(study: Study, spec: RunSpec) -> Config:
     """The validated config of one run: the study's composed ``base`` with the run's owned keys set.
 
@@ -258,18 +298,24 @@ def baseline_stages(study: Study) -> list[int]:
     return list(study.stages) if study.per_stage_baseline else [1]
 
 
-def run_spec(study: Study, label: str, stages: int, seed: int) -> RunSpec:
-    """The run of ``label`` at ``stages`` and ``seed``, with its baseline and overrides."""
-    reference = None if label == BASELINE else run_name(BASELINE, stages if study.per_stage_baseline else 1, seed)
-    return with_overrides(study, RunSpec(label, stages, seed, reference))
+def run_spec(study: Study, label: str, stages: int, seed: int, lr: float | None = None) -> RunSpec:
+    """The run of ``label`` at ``stages``, ``seed`` (and rate ``lr``), with its baseline and overrides."""
+    reference = None if label == BASELINE else run_name(BASELINE, stages if study.per_stage_baseline else 1, seed, lr)
+    return with_overrides(study, RunSpec(label, stages, seed, reference, lr=lr))
 
 
 def plan_runs(study: Study) -> list[RunSpec]:
-    """Every run of the study in order: per seed the baseline(s), then each stage count's methods."""
+    """Every run of the study in order: per seed the baseline(s), then each stage count's methods; then the rate
+    sweep's runs other than the study's own rate, per rate and seed the baseline(s) first."""
     runs: list[RunSpec] = []
     for seed in study.seeds:
         runs += [run_spec(study, BASELINE, n, seed) for n in baseline_stages(study)]
         runs += [run_spec(study, label, n, seed) for n in study.stages for label in study.methods]
+    sweep = study.lr_sweep or {}
+    for lr in (r for r in sweep_rates(study) if r is not None):
+        for seed in sweep["seeds"]:
+            runs += [run_spec(study, BASELINE, n, seed, lr) for n in baseline_stages(study) if n in (1, sweep["stages"])]
+            runs += [run_spec(study, label, sweep["stages"], seed, lr) for label in study.methods]
     return runs
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rayspec.cli.study_config import BASELINE, RunSpec, Study, predicts, run_name, study_settings
+from rayspec.cli.study_tables import plot_bands, plot_sweep, protocol_cells, protocol_lines, sweep_lines, sweep_rows
 
 __all__ = ["cells", "markdown", "plot_curves", "write_report"]
 
@@ -110,8 +111,10 @@ def _optimizer(o: Mapping[str, Any]) -> str:
            f"{o['weight_decay']} ({kind})"
 
 
-def markdown(study: Study, table: Sequence[dict[str, Any]], settings: Mapping[str, Any]) -> str:
-    """The study's tables in markdown, with the settings they were measured with."""
+def markdown(study: Study, table: Sequence[dict[str, Any]], settings: Mapping[str, Any],
+             protocol: Sequence[str] = ()) -> str:
+    """The study's tables in markdown, with the settings they were measured with; ``protocol``: the protocol's
+    tables (``rayspec.cli.study_tables``), placed first."""
     c = settings["config"]
     t, o, p = c["train"], c["optim"], c["pipeline"]
     by = {(x["label"], x["stages"]): x for x in table}
@@ -126,13 +129,14 @@ def markdown(study: Study, table: Sequence[dict[str, Any]], settings: Mapping[st
         + (f", gradients clipped to norm {o['clip_grad_norm']}" if o.get("clip_grad_norm") else "")
         + (f", precision {t['precision']}" if t.get("precision", "fp32") != "fp32" else "")
         + f", {o['schedule']} schedule (power {o['power']}), gpipe with {p['microbatches']} micro-batches; "
-        f"evaluation every {t['eval_every']} updates; executor {p['executor']}; seeds {study.seeds} "
-        f"(mean ± sample std over seeds).",
+        f"evaluation every {t['eval_every']} updates on the {c['data'].get('eval_split', 'test')} split; executor "
+        f"{p['executor']}; seeds {study.seeds} (mean ± sample std over seeds).",
         "",
         _baseline_note(study),
         "Every evaluation drains the pipeline (like a GPipe flush) and refills it afterwards.",
         "",
-        "Final validation accuracy (%) and loss:",
+        *protocol,
+        "Final validation accuracy (%) and loss (the last evaluation only):",
         "",
     ]
     header = ["method"] + [f"{h} N={n}" for n in study.stages for h in ("val acc %", "val loss")]
@@ -305,11 +309,15 @@ def write_report(study: Study, runs: Sequence[RunSpec], records: Mapping[str, di
     """Write ``study.md``, ``study_results.json`` and the plots into ``directory``; return the JSON's contents."""
     settings = study_settings(study)
     table = cells(study, records)
-    text = markdown(study, table, settings)
+    sweep = sweep_rows(study, records)
+    text = markdown(study, table, settings, [*protocol_lines(study, records), *sweep_lines(study, sweep)])
     (directory / "study.md").write_text(text)
     plot_curves(study, records, directory)
+    plot_bands(study, records, directory)
+    plot_sweep(study, sweep, directory)
     payload = {
         "study": study.name, "settings": settings, "baseline": _baseline_note(study), "table": table,
+        "protocol": list(protocol_cells(study, records).values()), "lr_sweep": sweep,
         "runs": [{"name": spec.name, **records[spec.name]} for spec in runs if spec.name in records],
         "markdown": text,
     }

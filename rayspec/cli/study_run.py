@@ -18,6 +18,7 @@ from typing import Any
 
 from rayspec.cli.study_config import FINISHED, RUN_FILE, TRAJECTORY_FILE, RunSpec, Study, plan_runs, run_config
 from rayspec.cli.study_report import write_report
+from rayspec.cli.study_stats import DIVERGENCE_FACTOR, diverged_at, score
 from rayspec.config import Config
 from rayspec.training.progress import duration
 
@@ -42,7 +43,8 @@ def relative_distance(weights: Mapping[str, Any], reference: Mapping[str, Any]) 
 
 
 class _Recorder:
-    """The trainer callback of one run: curves, the weight distance to the baseline, early stop on a non-finite loss."""
+    """The trainer callback of one run: curves, the weight distance to the baseline, and an early stop when the
+    training loss diverges (``rayspec.cli.study_stats.diverged_at``: non-finite, or above 3x the first logged loss)."""
 
     def __init__(self, reference: Mapping[int, Mapping[str, Any]] | None, keep: bool) -> None:
         self.reference, self.keep = reference, keep
@@ -61,8 +63,10 @@ class _Recorder:
                 self.prediction.append([record["step"], *(statistics.fmean(v) if v else math.nan for v in scored)])
         elif "loss" in record:
             self.loss.append([record["step"], record["loss"]])
-            if not math.isfinite(record["loss"]):
-                raise FloatingPointError(f"the training loss became {record['loss']} by update {record['step']}")
+            if diverged_at([self.loss[0], self.loss[-1]]) is not None:
+                raise FloatingPointError(f"the training loss became {record['loss']} by update {record['step']} "
+                                         f"(first logged: {self.loss[0][1]:.4g}; diverged: non-finite or above "
+                                         f"{DIVERGENCE_FACTOR:g}x it)")
 
     def on_weights(self, step: int, state: Mapping[str, Any]) -> None:
         if self.keep:
@@ -117,7 +121,7 @@ def train_run(study: Study, spec: RunSpec, run_dir: Path, reference: Mapping[int
     config = run_config(study, spec)
     recorder = _Recorder(reference, keep=spec.reference is None)
     status, error, summary = "ok", None, None
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     log = logging.FileHandler(run_dir / "train.log", mode="w")
     with relayed_to(log):  # the run's lines go to its train.log alone
         try:
@@ -128,13 +132,14 @@ def train_run(study: Study, spec: RunSpec, run_dir: Path, reference: Mapping[int
         except Exception as err:  # recorded; the study goes on with the next run
             status, error = "failed", f"{type(err).__name__}: {err}"
     log.close()
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     final_val = recorder.val[-1] if recorder.val else None
     if status == "ok" and final_val is not None and not all(math.isfinite(v) for v in final_val[1:]):
         status, error = "diverged", f"val_loss {final_val[1]} at update {final_val[0]}"
     if status == "ok" and spec.reference is None:
         torch.save(recorder.trajectory, run_dir / TRAJECTORY_FILE)
     record = _record(config, spec, status, error, seconds, summary, recorder)
+    record["cpu_seconds"] = cpu_seconds
     _write_json(run_dir / RUN_FILE, record)
     return record
 
@@ -146,12 +151,14 @@ def failed_record(study: Study, spec: RunSpec, error: str) -> dict[str, Any]:
 
 def _record(config: Config, spec: RunSpec, status: str, error: str | None, seconds: float,
             summary: Mapping[str, Any] | None, recorder: _Recorder) -> dict[str, Any]:
-    """``run.json``: what the run is, how it ended, its final figures and its curves."""
+    """``run.json``: what the run is, how it ended, its final figures, its score (``study_stats.score``) and its
+    curves; ``eval_split`` says what it evaluated on (``test`` or ``selection``, ``rayspec.data.selection``)."""
     final_val = recorder.val[-1] if recorder.val else None
     p = config.pipeline
-    return {
+    record = {
         "label": spec.label, "method": p.method, "variant": p.variant, "backward": p.backward, "stages": spec.stages,
         "seed": spec.seed, "reference": spec.reference, "overrides": spec.overrides, "status": status, "error": error,
+        "lr": config.optim.lr, "eval_split": config.data.get("eval_split", "test"),
         "seconds": seconds, "updates": summary["updates"] if summary else None,
         "final": {
             "val_accuracy": final_val[2] if final_val and status == "ok" else None,
@@ -165,6 +172,7 @@ def _record(config: Config, spec: RunSpec, status: str, error: str | None, secon
         "curves": {"loss": recorder.loss, "val": recorder.val, "distance": recorder.distance,
                    "prediction": recorder.prediction},
     }
+    return record | {"score": score(record)}
 
 
 def prediction_figures(summary: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """``python -m rayspec.study runner=tune``: a study's runs as Ray Tune trials, side by side and across a cluster's nodes.
 
-Each run is one trial of a grid over method × stages × seed with the study's settings; it trains through
+Each run is one trial of a grid over the planned runs (method × stages × seed, and the rate sweep); it trains through
 ``rayspec.cli.study_run.train_run``, as the sequential runner does, into the same ``runs/<name>/`` folder of the
 study's output directory, which must be on storage that every node mounts. A trial's placement group is one
 bundle of ``threads`` CPUs with the local executor (the trial's process trains every stage), or a driver bundle
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rayspec.cli.study_config import BASELINE, RunSpec, Study, baseline_stages, run_config, run_name, run_spec
+from rayspec.cli.study_config import BASELINE, RunSpec, Study, run_config, run_name, run_spec
 from rayspec.cli.study_run import (
     failed_record,
     finished_record,
@@ -61,8 +61,14 @@ class _Setup:
     """The directory the study was started in; trials run there, as the sequential runner does."""
 
 
-def _spec(study: Study, point: dict[str, Any]) -> RunSpec:
-    return run_spec(study, point["label"], int(point["stages"]), int(point["seed"]))
+def _point(spec: RunSpec) -> dict[str, Any]:
+    """A trial's parameters: the run it trains (``label``, ``stages``, ``seed``, ``lr``: None for the study's)."""
+    return {"label": spec.label, "stages": spec.stages, "seed": spec.seed, "lr": spec.lr}
+
+
+def _spec(study: Study, config: dict[str, Any]) -> RunSpec:
+    p = config["run"]
+    return run_spec(study, p["label"], int(p["stages"]), int(p["seed"]), p.get("lr"))
 
 
 def _trial(point: dict[str, Any], setup: _Setup) -> None:
@@ -107,8 +113,8 @@ class _Resources:
 
 def _dirname(trial: Any) -> str:
     """A trial's folder and name: its run's name (``gpipe-n4-seed0``)."""
-    c = trial.config
-    return run_name(c["label"], int(c["stages"]), int(c["seed"]))
+    p = trial.config["run"]
+    return run_name(p["label"], int(p["stages"]), int(p["seed"]), p.get("lr"))
 
 
 def _tuner(study: Study, phase: str, space: dict[str, Any], specs: Sequence[RunSpec], max_concurrent_trials: int | None,
@@ -159,22 +165,20 @@ def tune_study(study: Study, resume: bool = True, max_concurrent_trials: int | N
     study = dataclasses.replace(study, output_dir=str(study.directory))  # the same folder from every node
     runs = open_study(study, resume)
     ensure_ray(run_config(study, runs[0]).ray)
-    grid = tune.grid_search
-    spaces: dict[str, dict[str, Any]] = {"baselines": {"label": BASELINE, "stages": grid(baseline_stages(study)), "seed": grid(study.seeds)},
-                                         "methods": {"label": grid(study.methods), "stages": grid(study.stages), "seed": grid(study.seeds)}}
     runs_dir = study.directory / "runs"
     earlier = {spec.name for spec in runs if resume and finished_record(spec, runs_dir / spec.name) is not None}
     errors: dict[str, str] = {}
     for phase in PHASES:
         specs = [spec for spec in runs if (spec.label == BASELINE) == (phase == "baselines")]
+        space = {"run": tune.grid_search([_point(spec) for spec in specs])}  # the planned runs, rate sweep included
         log.info("rayspec.study: %s: %d Ray Tune trial%s, at most %s at once", phase, len(specs),
                  "s" * (len(specs) != 1), max_concurrent_trials or "as many as the cluster holds")
-        tuner, restored = _tuner(study, phase, spaces[phase], specs, max_concurrent_trials, resume, callbacks)
+        tuner, restored = _tuner(study, phase, space, specs, max_concurrent_trials, resume, callbacks)
         results = _fit(tuner, phase, len(specs))
         if restored and any(finished_record(spec, runs_dir / spec.name) is None for spec in specs):
             # a run that failed, or whose folder was removed since, in a trial that Tune counts as done
             log.info("rayspec.study: the restored %s trials left runs unfinished; training them anew", phase)
-            results = _fit(_tuner(study, phase, spaces[phase], specs, max_concurrent_trials, False, callbacks)[0],
+            results = _fit(_tuner(study, phase, space, specs, max_concurrent_trials, False, callbacks)[0],
                            phase, len(specs))
         for result in results:
             name = _spec(study, result.config).name

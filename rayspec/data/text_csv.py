@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from rayspec.data import DataBundle, DataError, DataInfo, register
+from rayspec.data.selection import SELECTION_SEED, check_selection, held_out
 from rayspec.data.text import check_sizes, encode_splits
 
 __all__ = ["text_csv", "read_rows", "group_split"]
@@ -41,7 +42,7 @@ def text_csv(root: str | None = None, seed: int = 0, path: str | None = None, te
              label_column: str = "label", labels: Sequence[Any] | None = None, group_column: str | None = None,
              split_column: str | None = None, split_values: Sequence[Any] = ("train", "test"),
              val_fraction: float = 0.2, split_seed: int = 0, vocab_size: int = 20000, max_len: int = 256,
-             encoding: str = "utf-8") -> DataBundle:
+             encoding: str = "utf-8", selection: int | float = 0, eval_split: str = "test") -> DataBundle:
     """Text classification from any CSV file with a header, a text column and a label column.
 
     Labels become class ids in the order of ``labels`` (rows with other labels, or none, are dropped and
@@ -66,6 +67,10 @@ def text_csv(root: str | None = None, seed: int = 0, path: str | None = None, te
         vocab_size: vocabulary size including padding and unknown.
         max_len: tokens per text after truncation and padding.
         encoding: the text encoding of the file.
+        selection: training rows held out as the selection split (a share in ``(0, 1)`` or a count of rows;
+            0: none), whole groups as in the validation split (:func:`group_split`, seeded apart from it); they
+            are never trained on and add nothing to the vocabulary.
+        eval_split: ``test`` (the validation split above) or ``selection`` (the held-out rows) as ``val``.
 
     Returns:
         ``TensorDataset`` splits of ``(x int64 (max_len,), y int64)``.
@@ -74,6 +79,7 @@ def text_csv(root: str | None = None, seed: int = 0, path: str | None = None, te
         DataError: a bad option, a missing or unreadable file, a missing column, or an empty split.
     """
     check_sizes("text_csv", vocab_size, max_len)
+    check_selection("text_csv", selection, eval_split)
     path = _csv_path(path, root)
     labels = _checked_options(labels, split_column, split_values, val_fraction)
     rows = read_rows(path, [c for c in (text_column, label_column, group_column, split_column) if c is not None],
@@ -86,14 +92,23 @@ def text_csv(root: str | None = None, seed: int = 0, path: str | None = None, te
     if split_column is not None:
         train_rows, val_rows = _split_by_column(rows, keep, split_column, split_values)
     else:
-        groups = [rows[i][group_column] or None for i in keep] if group_column else [None] * len(keep)
-        train_rows, val_rows = group_split(keep, groups, val_fraction, split_seed)
+        train_rows, val_rows = group_split(keep, _groups(rows, keep, group_column), val_fraction, split_seed)
+    if selection:  # whole groups of the training rows, never trained on
+        share = held_out("text_csv", selection, len(train_rows)) / len(train_rows)
+        train_rows, held = group_split(train_rows, _groups(rows, train_rows, group_column), share,
+                                       split_seed + SELECTION_SEED)
+        val_rows = held if eval_split == "selection" else val_rows
     _check_not_empty(train_rows, val_rows, path, len(keep), labels)
     x, y, vocab = _encoded(texts, values, ids, {"train": train_rows, "val": val_rows}, vocab_size, max_len)
     log.info("text_csv: %s: %d training / %d validation rows, classes %s, %d tokens in the vocabulary", path,
              len(train_rows), len(val_rows), ", ".join(f"{i}={v}" for i, v in enumerate(labels)), len(vocab))
     return DataBundle(TensorDataset(x["train"], y["train"]), TensorDataset(x["val"], y["val"]),
                       DataInfo("text", len(labels), (max_len,), vocab_size))
+
+
+def _groups(rows: list[dict[str, str]], keep: list[int], group_column: str | None) -> list[str | None]:
+    """The group of each kept row (None: a group of its own)."""
+    return [rows[i][group_column] or None for i in keep] if group_column else [None] * len(keep)
 
 
 def _check_not_empty(train_rows: list[int], val_rows: list[int], path: str, kept: int, labels: list[str]) -> None:

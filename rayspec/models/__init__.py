@@ -60,6 +60,7 @@ def model_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 # Importing a model module registers it.
 from rayspec.models import (  # noqa: E402
+    cnn,  # noqa: E402,F401
     densenet,  # noqa: E402,F401
     googlenet,  # noqa: E402,F401
     inception_v4,  # noqa: E402,F401

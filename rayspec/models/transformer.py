@@ -1,6 +1,8 @@
 """A Transformer encoder text classifier (Vaswani et al. 2017) as a block sequence.
 
-Blocks: token embedding (scaled by ``sqrt(d_model)``) plus sinusoidal positions, then one
+Blocks: token embedding (initialized N(0, 1/d_model), then scaled by ``sqrt(d_model)``, so each coordinate
+has unit scale as the positions do: the initialization of Vaswani et al.'s tensor2tensor and fairseq; an N(0, 1)
+initialization times ``sqrt(d_model)`` drowned the positions) plus sinusoidal positions, then one
 ``nn.TransformerEncoderLayer`` (post-norm, ReLU, batch first) per block, then masked mean pooling
 over the non-pad positions and a linear classifier. Between blocks travels the tuple
 ``(hidden (B, T, d_model) float, pad_mask (B, T) bool)``, ``pad_mask`` True at padding (id 0),
@@ -48,6 +50,9 @@ class Embed(nn.Module):
     def __init__(self, vocab: int, dim: int, length: int, dropout: float) -> None:
         super().__init__()
         self.embedding = nn.Embedding(vocab, dim, padding_idx=0)
+        nn.init.normal_(self.embedding.weight, std=dim**-0.5)  # times sqrt(dim) below: unit scale, as the positions
+        with torch.no_grad():
+            self.embedding.weight[0].zero_()  # the padding row, as nn.Embedding leaves it
         self.register_buffer("positions", sinusoids(length, dim), persistent=False)
         self.dropout = nn.Dropout(dropout)
         self.scale = math.sqrt(dim)

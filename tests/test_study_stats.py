@@ -1,0 +1,101 @@
+"""The study protocol's statistics and tables (rayspec/cli/study_stats.py, study_tables.py) on records made by hand."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from rayspec.cli.study_config import BASELINE, Study, run_name
+from rayspec.cli.study_stats import diverged_at, interval, paired, score, t_quantile, updates_to
+from rayspec.cli.study_tables import identical_groups, protocol_cells, protocol_lines
+
+
+def record(label, seed, accs, stages=1, losses=None, status="ok"):
+    """A run record as study_run writes it: val rows [update, loss, accuracy] every 100 updates."""
+    ref = None if label == BASELINE else run_name(BASELINE, 1, seed)
+    return {"label": label, "stages": stages, "seed": seed, "reference": ref, "status": status, "lr": 0.1,
+            "curves": {"val": [[100 * (i + 1), 1.0, a] for i, a in enumerate(accs)],
+                       "loss": losses or [[10, 2.3], [20, 1.0]]}}
+
+
+def study(methods=("gpipe", "async", "pipedream"), seeds=(0, 1, 2)):
+    return Study(name="s", overrides=[], methods=list(methods), stages=[4], seeds=list(seeds))
+
+
+def test_score_is_the_mean_of_the_last_three_evaluations():
+    assert score(record(BASELINE, 0, [0.1, 0.5, 0.6, 0.7])) == pytest.approx(0.6)
+    assert score(record(BASELINE, 0, [0.4, 0.6])) == pytest.approx(0.5)  # fewer evaluations: all of them
+    assert score(record(BASELINE, 0, [0.4], status="diverged")) is None
+    assert score(record(BASELINE, 0, [0.4, math.nan])) is None
+
+
+def test_divergence_rule():
+    assert diverged_at([[10, 2.3], [20, 6.8], [30, 1.0]]) is None  # below 3x the first logged loss
+    assert diverged_at([[10, 2.3], [20, 7.0]]) == (20, 7.0)
+    assert diverged_at([[10, 2.3], [20, 2.6e10]]) == (20, 2.6e10)  # huge but finite: diverged all the same
+    step, loss = diverged_at([[10, 2.3], [20, math.nan]])
+    assert step == 20 and math.isnan(loss)
+    assert diverged_at([[10, 2.3], [20, math.inf]]) == (20, math.inf)
+    assert diverged_at([]) is None
+
+
+def test_t_interval():
+    assert t_quantile(4) == 2.776 and t_quantile(150) == 1.960 and t_quantile(35) == 2.042
+    values = [0.01, 0.02, 0.0, 0.03, 0.015]
+    low, high = interval(values)
+    half = 2.776 * statistics.stdev(values) / math.sqrt(5)
+    assert (low, high) == pytest.approx((statistics.fmean(values) - half, statistics.fmean(values) + half))
+    assert interval([0.5]) is None
+
+
+def test_paired_differences_and_updates_to_target():
+    base = {run_name(BASELINE, 1, s): record(BASELINE, s, [0.5, 0.8, 0.9, 0.9]) for s in (0, 1)}
+    runs = [record("async", 0, [0.5, 0.7, 0.8, 0.8], 4), record("async", 1, [0.5, 0.8], 4, status="diverged")]
+    assert paired(runs, base) == pytest.approx([-0.1])  # the diverged seed has no score: no pair
+    assert updates_to(base[run_name(BASELINE, 1, 0)]["curves"]["val"], 0.85) == 300
+    assert updates_to(runs[0]["curves"]["val"], 0.85) is None
+
+
+def records_for(st, spec):
+    """Records of every seed: ``spec[label] = (accs per seed, status per seed)``."""
+    out = {}
+    for label, (accs, statuses) in spec.items():
+        for seed in st.seeds:
+            stages = 1 if label == BASELINE else 4
+            out[run_name(label, stages, seed)] = record(label, seed, accs[seed], stages, status=statuses[seed])
+    return out
+
+
+def test_cells_count_diverged_runs_apart_and_merge_identical_methods():
+    st = study()
+    ok = ["ok"] * 3
+    recs = records_for(st, {
+        BASELINE: ([[0.8, 0.9, 0.9], [0.8, 0.88, 0.9], [0.8, 0.9, 0.92]], ok),
+        "gpipe": ([[0.8, 0.9, 0.91], [0.8, 0.88, 0.9], [0.8, 0.9, 0.91]], ok),
+        "async": ([[0.5, 0.6, 0.7], [0.1, 0.1, 0.1], [0.5, 0.6, 0.6]], ["ok", "diverged", "ok"]),
+        "pipedream": ([[0.5, 0.6, 0.7], [0.1, 0.1, 0.1], [0.5, 0.6, 0.6]], ["ok", "diverged", "ok"]),
+    })
+    cells = protocol_cells(st, recs)
+    a = cells["async", 4]
+    assert (a["runs"], a["scored"], a["diverged"], a["pairs"]) == (3, 2, 1, 2)
+    assert a["score"] == pytest.approx(statistics.fmean([0.6, 0.5666667]), abs=1e-6)  # the diverged run left out
+    g = cells["gpipe", 4]
+    deltas = [0.01 / 3, 0.0, -0.01 / 3]
+    assert g["delta"] == pytest.approx(statistics.fmean(deltas))
+    assert g["delta_ci"] == pytest.approx(interval(deltas))
+    assert identical_groups(st, recs, 4) == [["gpipe"], ["async", "pipedream"]]
+    text = "\n".join(protocol_lines(st, recs))
+    assert "| `async` = `pipedream` |" in text and "1 of 3 |" in text and "Merged: async = pipedream at N=4" in text
+    assert text.index("`gpipe` (noise floor)") < text.index("`async` = `pipedream`")
+    target = 0.95 * cells[BASELINE, 4]["score"]
+    assert g["target"] == pytest.approx(target) and a["not_reached"] == 2 and g["updates_to_target"] == [200, 200, 200]
+
+
+def test_runs_that_differ_in_one_seed_are_not_merged():
+    st = study(("async", "pipedream"))
+    same = [[0.5, 0.6, 0.7]] * 3
+    recs = records_for(st, {BASELINE: (same, ["ok"] * 3), "async": (same, ["ok"] * 3),
+                            "pipedream": ([*same[:2], [0.5, 0.6, 0.71]], ["ok"] * 3)})
+    assert identical_groups(st, recs, 4) == [["async"], ["pipedream"]]
