@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import Stop, StopAfter
+from test_resplit import settings as resplit_settings
 
 from rayspec.config import ConfigError, from_mapping
 from rayspec.core.schedule import build_schedule
@@ -21,15 +22,8 @@ from rayspec.training.summary import RunSummary
 
 
 def settings(method: str = "gpipe", stages: int = 3, **pipeline) -> dict:
-    return {
-        "model": {"name": "mlp", "size": "tiny"},  # 7 blocks
-        "data": {"name": "synthetic_image", "train_size": 320, "val_size": 64},
-        "pipeline": {"method": method, "stages": stages, "executor": "local", "microbatches": 4, **pipeline},
-        "train": {"max_steps": 12, "batch_size": 16, "log_every": 1, "eval_every": 4},
-        "optim": {"lr": 0.08, "weight_decay": 1e-3, "schedule": "poly"},
-        "checkpoint": {"every": 4, "keep": 5},
-        "fault": {"max_restarts": 1, "elastic": True},
-    }
+    """The re-split tests' run (7 blocks, a checkpoint every 4 updates), restarted once, elastically."""
+    return {**resplit_settings(method, stages, **pipeline), "fault": {"max_restarts": 1, "elastic": True}}
 
 
 def test_elastic_settings_are_checked():

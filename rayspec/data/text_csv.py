@@ -89,21 +89,31 @@ def text_csv(root: str | None = None, seed: int = 0, path: str | None = None, te
     labels = labels if labels is not None else _labels_of(values, path, label_column)
     ids = {v: i for i, v in enumerate(labels)}
     keep = _labelled(values, ids, label_column, labels)
-    if split_column is not None:
-        train_rows, val_rows = _split_by_column(rows, keep, split_column, split_values)
-    else:
-        train_rows, val_rows = group_split(keep, _groups(rows, keep, group_column), val_fraction, split_seed)
-    if selection:  # whole groups of the training rows, never trained on
-        share = held_out("text_csv", selection, len(train_rows)) / len(train_rows)
-        train_rows, held = group_split(train_rows, _groups(rows, train_rows, group_column), share,
-                                       split_seed + SELECTION_SEED)
-        val_rows = held if eval_split == "selection" else val_rows
+    train_rows, val_rows = _train_val_rows(rows, keep, group_column, split_column, split_values, val_fraction,
+                                           split_seed, selection, eval_split)
     _check_not_empty(train_rows, val_rows, path, len(keep), labels)
     x, y, vocab = _encoded(texts, values, ids, {"train": train_rows, "val": val_rows}, vocab_size, max_len)
     log.info("text_csv: %s: %d training / %d validation rows, classes %s, %d tokens in the vocabulary", path,
              len(train_rows), len(val_rows), ", ".join(f"{i}={v}" for i, v in enumerate(labels)), len(vocab))
     return DataBundle(TensorDataset(x["train"], y["train"]), TensorDataset(x["val"], y["val"]),
                       DataInfo("text", len(labels), (max_len,), vocab_size))
+
+
+def _train_val_rows(rows: list[dict[str, str]], keep: list[int], group_column: str | None,
+                    split_column: str | None, split_values: Sequence[Any], val_fraction: float, split_seed: int,
+                    selection: int | float, eval_split: str) -> tuple[list[int], list[int]]:
+    """The training rows and the rows scored as ``val``: the file's own split or a seeded split by group, then the
+    selection split carved from the training rows (whole groups, never trained on)."""
+    if split_column is not None:
+        train_rows, val_rows = _split_by_column(rows, keep, split_column, split_values)
+    else:
+        train_rows, val_rows = group_split(keep, _groups(rows, keep, group_column), val_fraction, split_seed)
+    if selection:
+        share = held_out("text_csv", selection, len(train_rows)) / len(train_rows)
+        train_rows, held = group_split(train_rows, _groups(rows, train_rows, group_column), share,
+                                       split_seed + SELECTION_SEED)
+        val_rows = held if eval_split == "selection" else val_rows
+    return train_rows, val_rows
 
 
 def _groups(rows: list[dict[str, str]], keep: list[int], group_column: str | None) -> list[str | None]:
