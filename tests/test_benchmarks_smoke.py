@@ -42,7 +42,8 @@ def test_runner_lists_every_benchmark_with_its_line(capsys):
     lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
     assert set(lines) == {"overhead", "stage_cost", "efficiency", "partition", "communication", "communication.plot",
                           "memory", "memory.plot", "p2p_memory", "throughput", "peer", "hops", "recovery", "driver",
-                          "probe", "gpu_check", "studies", "studies.lr", "studies.table"}
+                          "probe", "gpu_check", "studies", "studies.lr", "studies.table", "studies.select",
+                          "studies.budget"}
     assert all(line.strip() for line in lines.values())
     assert benchmarks_main([]) == 2 and "usage" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="unknown"):

@@ -51,7 +51,7 @@ def test_schedule_equals_python_m(capsys):
 
 @pytest.mark.parametrize("command, kind, listed, choices", [
     ("tune", "sweep", "available sweeps: lr_method", "choose one of lr_method"),
-    ("study", "study", "available studies: lstm_rt, lstm_text", "choose one of lstm_rt, lstm_text")])
+    ("study", "study", "available studies: fashion, lstm_rt, lstm_text", "choose one of fashion, lstm_rt, lstm_text")])
 def test_tune_and_study_help_and_bad_input(capsys, command, kind, listed, choices):
     assert main([command, "--help"]) == 0
     assert listed in capsys.readouterr().out

@@ -87,7 +87,7 @@ def test_an_unknown_name_is_a_config_error_everywhere(tmp_path):
             StageSpec(**setting)
     with pytest.raises(ConfigError, match="sweep='nope' is unknown in .*; choose one of lr_method"):
         load_sweep("nope")
-    with pytest.raises(ConfigError, match="study='nope' is unknown in .*; choose one of lstm_rt"):
+    with pytest.raises(ConfigError, match="study='nope' is unknown in .*; choose one of fashion, lstm_rt"):
         load_study("nope")
     with pytest.raises(ConfigError, match="runner='slurm' is unknown"):
         runner_options({"runner": "slurm"})
