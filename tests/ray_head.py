@@ -23,11 +23,19 @@ from benchmarks._shared.cluster_script import ROOT, processes, stop_group  # noq
 BIN = Path(sys.executable).parent  # the environment's python and ray: the head's jobs run this python
 
 
-def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
+def free_ports(count: int, avoid: tuple[int, int] | None = None) -> list[int]:
+    """``count`` distinct ports free now, none inside ``avoid`` (an inclusive range: the workers' ports, which
+    Ray refuses to share with a component's port)."""
+    socks: list[socket.socket] = []
     try:
-        for s in socks:
+        while len(socks) < count:
+            s = socket.socket()
             s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if avoid is not None and avoid[0] <= port <= avoid[1]:
+                s.close()  # the kernel hands out another port on the next bind
+                continue
+            socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
@@ -83,9 +91,9 @@ class RayHead:
         self.ray_temp = ray_temp = self.temp / "ray" if as_default else self.temp
         token = self.temp / "auth_token"
         token.write_text(secrets.token_hex(32))
-        gcs, self.dashboard, client, node, objects, agent, agent_grpc, env_agent, metrics = free_ports(9)
-        self.agent = agent
         low, high = free_range()
+        gcs, self.dashboard, client, node, objects, agent, agent_grpc, env_agent, metrics = free_ports(9, (low, high))
+        self.agent = agent
         self.address = f"http://127.0.0.1:{self.dashboard}"
         self.env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0"}
