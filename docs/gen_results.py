@@ -408,10 +408,31 @@ def _study_intro(reports: dict[str, tuple[str, dict[str, Any]]], command: str) -
             "study at a third of its swept learning rate. [Accuracy studies](../studies.md) reads them.", ""]
 
 
+PROTOCOL = ("fashion", "reviews")  # the studies that follow the protocol of docs/studies.md
+
+
+def protocol_section() -> list[str]:
+    """Each protocol study's tables (the score with its paired interval per stage count, then the rate sweep), as its
+    own report wrote them: the part of ``study.md`` from the score's definition to the final-accuracy tables."""
+    lines = []
+    for label in PROTOCOL:
+        report = _report(label)
+        if report is None:
+            continue
+        text = report["markdown"]
+        start, end = text.index("Score:"), text.index("Final validation accuracy")
+        folder = f"benchmarks/results/studies/{label}/"  # outside the site: named, not linked
+        body = text[start:end].replace("([`accuracy_vs_lr.png`](accuracy_vs_lr.png))", f"(`{folder}accuracy_vs_lr.png`)")
+        lines += [f"## Study `{label}`", "", report["settings"]["description"], "",
+                  f"`python -m rayspec.study study={label}` wrote `benchmarks/results/studies/{label}/` "
+                  "(`study.md` has every table; learning curves in `learning_curves.png`).", "", body.rstrip(), ""]
+    return lines
+
+
 def studies_real_page() -> str:
     core = _reports(REAL)
-    lines = [HEADER, "# Results: studies on real data", "",
-             *_study_intro(core, "python -m benchmarks.studies --real")]
+    lines = [HEADER, "# Results: studies on real data", "", *protocol_section(),
+             "## Older studies", "", *_study_intro(core, "python -m benchmarks.studies --real")]
     for n in (4, 2):
         lines += [f"## N={n}", "", "Final validation accuracy and its change; the authors' 4-GPU row after each study "
                   "whose model they report (`docs/design.md` §6), for reference only.", "",
