@@ -409,6 +409,39 @@ def _study_intro(reports: dict[str, tuple[str, dict[str, Any]]], command: str) -
 
 
 PROTOCOL = ("fashion", "reviews")  # the studies that follow the protocol of docs/studies.md
+PAPER = {
+    # docs/design.md §6: the authors' model and data for the study's kind, DP (2 GPUs), then MP, PD, STv1, STv2 at N
+    "fashion": ("VGG, CIFAR-10", 91.10, {2: (90.81, 90.86, 91.05, 91.02), 4: (88.31, 88.91, 88.11, 89.38)}),
+    "reviews": ("Transformer, IMDb", 81.12, {2: (80.35, 80.35, 81.27, 80.02), 4: (77.26, 78.11, 79.71, 78.79)}),
+}
+PAPER_LABELS = ("async", "pipedream", "spectrain-paper", "spectrain-consistent")  # MP, PD, STv1, STv2
+
+
+def beside_authors(label: str, report: dict[str, Any]) -> list[str]:
+    """The study's changes against sequential beside the authors' changes against DP, at the same stage count."""
+    what, dp, rows = PAPER[label]
+    cells = {(c["label"], c["stages"]): c for c in report["protocol"]}
+    lines = ["Beside the authors' rows of the same stage count (`docs/design.md` §6: another model, data set and "
+             "scale, converged; for reference only). Changes in points against the baseline (ours: the same seed's "
+             "sequential run, mean and 95 % interval; theirs: DP, one run):", "",
+             "| | N | baseline % | MP (`async`) | PD (`pipedream`) | STv1 (`spectrain-paper`) | "
+             "STv2 (`spectrain-consistent`) |", "|---|---|---|---|---|---|---|"]
+    for n, theirs in rows.items():
+        if ("sequential", n) not in cells:
+            continue
+        ours = []
+        for m in PAPER_LABELS:
+            c = cells.get((m, n))
+            ci = c and c["delta_ci"]
+            ours.append("–" if not ci else _signed(100 * c["delta"]) + f" [{_signed(100 * ci[0])}, {_signed(100 * ci[1])}]")
+        lines += [f"| `{label}` | {n} | {100 * cells['sequential', n]['score']:.1f} | " + " | ".join(ours) + " |",
+                  f"| *authors, {what}* | {n} | *DP {dp:.2f}* | "
+                  + " | ".join(f"*{_signed(v - dp, 2)}*" for v in theirs) + " |"]
+    return [*lines, ""]
+
+
+def _signed(value: float, digits: int = 1) -> str:
+    return f"{value:+.{digits}f}".replace("-", MINUS)
 
 
 def protocol_section() -> list[str]:
@@ -425,7 +458,8 @@ def protocol_section() -> list[str]:
         body = text[start:end].replace("([`accuracy_vs_lr.png`](accuracy_vs_lr.png))", f"(`{folder}accuracy_vs_lr.png`)")
         lines += [f"## Study `{label}`", "", report["settings"]["description"], "",
                   f"`python -m rayspec.study study={label}` wrote `benchmarks/results/studies/{label}/` "
-                  "(`study.md` has every table; learning curves in `learning_curves.png`).", "", body.rstrip(), ""]
+                  "(`study.md` has every table; learning curves in `learning_curves.png`).", "", body.rstrip(), "",
+                  *beside_authors(label, report)]
     return lines
 
 
