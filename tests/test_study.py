@@ -12,7 +12,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayspec.cli.study import BASELINE, DEFAULT_METHODS, StudyError, available, load_study, main, plan_runs, run_study
+from rayspec.cli.study import (
+    BASELINE,
+    DEFAULT_METHODS,
+    StudyError,
+    available,
+    load_study,
+    main,
+    parse_args,
+    plan_runs,
+    run_study,
+)
 from rayspec.data import DataError
 from rayspec.errors import ConfigError
 
@@ -217,6 +227,16 @@ def test_the_rate_sweep_plans_reports_and_plots(tmp_path):
     for png in ("accuracy_vs_lr.png", "learning_curves_n2.png"):
         assert (tmp_path / "out" / png).read_bytes()[:8] == PNG
     assert all(r["eval_split"] == "test" and r["score"] is not None for r in payload["runs"])
+
+
+def test_lr_sweep_false_on_the_command_line_drops_the_files_sweep(tmp_path):
+    sweep = {"stages": 2, "seeds": [0, 1], "factors": [0.5, 1, 2]}
+    path = write_study(tmp_path / "sweep.yaml", seeds=[0, 1], stages=[2], methods=["async"], lr_sweep=sweep)
+    ref, options, overrides = parse_args([f"study={path}", "lr_sweep=false", "resume=false"])
+    options.pop("resume")
+    study = load_study(ref, overrides, output_dir=str(tmp_path / "out"), **options)
+    assert study.lr_sweep is None and len(plan_runs(study)) == 4  # two baselines, two async runs; no rate sweep
+    assert len(plan_runs(load_study(str(path), output_dir=str(tmp_path / "out")))) == 4 + 2 * 2 * 2
 
 
 @pytest.mark.parametrize("sweep, message", [

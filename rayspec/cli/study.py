@@ -102,7 +102,7 @@ def run_study(study: Study, resume: bool = True) -> dict[str, Any]:
 # --------------------------------------------------------------------------- command line
 
 USAGE = """usage: rayspec study study=NAME [methods=[async,spectrain-paper]] [stages=[2,4]] [seeds=[0,1,2]]
-                     [executor=local|ray] [output_dir=DIR] [resume=false]
+                     [executor=local|ray] [output_dir=DIR] [resume=false] [lr_sweep=false]
                      [runner=sequential|tune] [max_concurrent_trials=N|null] [training overrides]
        (python -m rayspec.study takes the same arguments; values are read as Hydra overrides)"""
 

@@ -54,7 +54,7 @@ BASELINE = "sequential"
 """The label of the baseline runs: ``vanilla``, which is sequential training (the run's optimizer)."""
 FILE_KEYS = ("name", "description", "overrides", "methods", "stages", "seeds", "output_dir", "threads", "lr_sweep")
 CLI_KEYS = ("study", "output_dir", "resume", "methods", "stages", "seeds", "executor", "threads", "runner",
-            "max_concurrent_trials")
+            "max_concurrent_trials", "lr_sweep")
 RUNNERS = ("sequential", "tune")
 """How a study's runs are trained: one after another in this process, or as Ray Tune trials (``runner=``)."""
 RUN_FILE = "run.json"
