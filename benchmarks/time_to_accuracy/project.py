@@ -10,7 +10,8 @@ A projection, not a measurement. For each method it
    (``StageClock``, ``LocalExecutor.timeline()``): F, B (or I and W), the B or W an update follows; the step is
    that one's time less the others' (where every backward updates, it stays inside B). SpecTrain's prediction and
    weight swap and PipeDream's stash live inside F and B, as the stage runs them. Means per segment of
-   ``--updates`` updates, the median over ``--repeats`` segments after one of warm-up;
+   ``--updates`` updates, the median over ``--repeats`` segments after one of warm-up, the methods' segments in
+   turn; as a check beside it, the projection from each action's least disturbed segment (its minimum);
 2. replays ``build_schedule(...)`` of 32 updates, as the training loop builds it, through
    ``Schedule.timeline(durations, link)`` as if each rank had a device of its own, with a link cost per message
    between ranks: none, the measured CPU p2p hop (``benchmarks/results/hops.json``, a line through its two sizes),
@@ -47,6 +48,7 @@ from rayspec.core.methods import METHODS
 from rayspec.core.schedule import build_schedule
 from rayspec.core.stage import make_stages
 from rayspec.data.loader import train_batches
+from rayspec.errors import RayspecError
 from rayspec.exec.local import LocalExecutor
 from rayspec.partition.split import split
 from rayspec.training.loop import split_batches
@@ -79,7 +81,9 @@ LEFT_OUT = ["contention: a device computing while it copies, several messages sh
             "per-message overheads beyond the measured or assumed hop; Ray's per-call overheads",
             "memory limits: stashed weights and the activations of micro-batches in flight",
             "CPU times of one thread stand in for a device's: on a GPU the ratios of F, B, step and prediction differ",
-            "the costs were measured on a loaded 2-core machine: medians of segment means, not an idle device"]
+            "the costs were measured on a loaded 2-core machine: medians of segment means, not an idle device",
+            "nothing is subtracted for the prediction probe (pipeline.probe, on as the study trained): SpecTrain's F "
+            "and B include its scoring"]
 
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -115,15 +119,39 @@ class _Study:
         return config
 
 
-def measure(study: _Study, name: str, n: int, repeats: int, updates: int) -> dict[str, Any]:
-    """Per-stage action seconds of ``name`` at ``n`` stages (medians over ``repeats`` segments) and the bytes each
-    stage sends per micro-batch; ``{"skipped": why}`` when the model cannot be cut so."""
+def measure(study: _Study, n: int, repeats: int, updates: int) -> dict[str, dict[str, Any]]:
+    """Per method, per-stage action seconds at ``n`` stages (medians over ``repeats`` segments, the methods' segments
+    taken in turn so that the machine's other load hits all alike) and the bytes each stage sends per micro-batch;
+    ``{"skipped": why}`` where the model cannot be cut so."""
+    runs = {name: _setup(study, name, n, updates) for name in PROJECTED}
+    live = {name: r for name, r in runs.items() if "skipped" not in r}
+    for r in live.values():
+        r["segment"]()  # warm-up
+    segments: dict[str, list[dict[str, float]]] = {name: [] for name in live}
+    for _ in range(repeats):
+        for name, r in live.items():
+            segments[name].append(r["segment"]())
+    for name, r in live.items():
+        del r["segment"]
+        r.update(costs={key: statistics.median(seg[key] for seg in segments[name]) for key in segments[name][0]},
+                 segments=segments[name], sent_bytes=r.pop("sent")())
+    return runs
+
+
+def _setup(study: _Study, name: str, n: int, updates: int) -> dict[str, Any]:
+    """``name``'s stages at ``n`` on the local executor, with ``segment``: runs ``updates`` updates of its schedule
+    and returns their costs (``_segment_costs``)."""
     label, extra, _ = PROJECTED[name]
-    if name == "dataparallel":  # one replica's work: batch / n as one micro-batch through the whole model
-        base = study.config(label, extra, 1)
-        config = study.config(label, extra, 1, train={"batch_size": base.train.batch_size // n})
-    else:
-        config = study.config(label, extra, n)
+    if name != "dataparallel" and n > study.blocks:
+        return {"skipped": f"N={n} stages but the model has {study.blocks} blocks"}
+    try:
+        if name == "dataparallel":  # one replica's work: batch / n as one micro-batch through the whole model
+            base = study.config(label, extra, 1)
+            config = study.config(label, extra, 1, train={"batch_size": base.train.batch_size // n})
+        else:
+            config = study.config(label, extra, n)
+    except RayspecError as err:  # a setting the method cannot take at n (interleaved's rounds of n)
+        return {"skipped": str(err)}
     chunks = (1 if name == "dataparallel" else n) * config.pipeline.virtual_stages
     if chunks > study.blocks:
         return {"skipped": f"{chunks} stages (N={n} x {config.pipeline.virtual_stages} chunks per device) but the "
@@ -138,18 +166,18 @@ def measure(study: _Study, name: str, n: int, repeats: int, updates: int) -> dic
     stream = split_batches(train_batches(prepared.data.train, config.train.batch_size, config.seed), group)
     schedule = build_schedule(method.schedule, len(prepared.balance) // config.pipeline.virtual_stages,
                               updates * group, group=group, virtual=config.pipeline.virtual_stages)
-    segments = []
-    for _ in range(repeats + 1):  # the first: warm-up
+
+    def segment() -> dict[str, float]:
         for st in stages:
             st.timeline.clear()
         executor.run(schedule, stream)
-        segments.append(_segment_costs(schedule, executor.timeline()))
-    costs = {key: statistics.median(seg[key] for seg in segments[1:]) for key in segments[1]}
-    sent = [st.stats.sent_bytes["F"] / max(1, st.stats.actions["F"]) for st in stages]
-    params = sum(p.numel() * p.element_size() for st in stages for p in st.params)
-    return {"costs": costs, "sent_bytes": sent, "param_bytes": params, "group": group, "blocks": study.blocks,
-            "balance": list(prepared.balance), "microbatch": config.train.batch_size // group,
-            "virtual": config.pipeline.virtual_stages, "schedule": method.schedule, "segments": segments[1:]}
+        return _segment_costs(schedule, executor.timeline())
+
+    return {"segment": segment, "sent": lambda: [st.stats.sent_bytes["F"] / max(1, st.stats.actions["F"])
+                                                 for st in stages],
+            "param_bytes": sum(p.numel() * p.element_size() for st in stages for p in st.params), "group": group,
+            "blocks": study.blocks, "balance": list(prepared.balance), "microbatch": config.train.batch_size // group,
+            "virtual": config.pipeline.virtual_stages, "schedule": method.schedule}
 
 
 def _segment_costs(schedule: Any, timeline: list[list[tuple[str, int, float, float]]]) -> dict[str, float]:
@@ -273,7 +301,7 @@ def accuracy(args: argparse.Namespace, n: int, names: list[str]) -> dict[str, An
 def project(args: argparse.Namespace, n: int, link_models: dict[str, tuple[float, float]]) -> dict[str, Any]:
     """Costs, seconds per update and time to each target of every method at ``n`` devices."""
     study = _Study(args.study)
-    measured = {name: measure(study, name, n, args.repeats, args.updates) for name in PROJECTED}
+    measured = measure(study, n, args.repeats, args.updates)
     if all("skipped" in m for name, m in measured.items() if name != "dataparallel"):
         return {"skipped": measured["gpipe"]["skipped"]}
     names = [name for name, m in measured.items() if "skipped" not in m]
@@ -283,7 +311,9 @@ def project(args: argparse.Namespace, n: int, link_models: dict[str, tuple[float
         speed[name] = {}
         for link, model in link_models.items():
             seconds = [per_update(name, n, m, model, seg)["seconds"] for seg in m["segments"]]
-            speed[name][link] = {**per_update(name, n, m, model), "spread": [min(seconds), max(seconds)]}
+            least = {key: min(seg[key] for seg in m["segments"]) for key in m["costs"]}
+            speed[name][link] = {**per_update(name, n, m, model), "spread": [min(seconds), max(seconds)],
+                                 "least_disturbed": per_update(name, n, m, model, least)["seconds"]}
     acc = accuracy(args, n, names)
     return {"measured": {k: {kk: vv for kk, vv in v.items() if kk != "segments"} for k, v in measured.items()},
             "per_update": speed, "accuracy": acc, "time_to_target": _time_to_target(speed, acc, link_models)}
@@ -339,9 +369,11 @@ def _print(n: int, result: dict[str, Any]) -> None:
     print(f"\nN={n}: measured ms per action (one thread, this machine; step 0.00: inside B, every backward updates)")
     print(table(cost_rows, list(cost_rows[0])))
     speed_rows = [{"method": name, **{link: f"{v['seconds'] * 1e3:.2f} ({v['spread'][0] * 1e3:.2f}-"
-                                            f"{v['spread'][1] * 1e3:.2f})" for link, v in links_.items()}}
+                                            f"{v['spread'][1] * 1e3:.2f}; {v['least_disturbed'] * 1e3:.2f})"
+                                      for link, v in links_.items()}}
                   for name, links_ in result["per_update"].items()]
-    print(f"\nN={n}: projected ms per update (range over the timed segments), by link")
+    print(f"\nN={n}: projected ms per update, by link: from the median costs (from each timed segment's costs: "
+          "their range; from each action's least disturbed segment)")
     print(table(speed_rows, list(speed_rows[0])))
     acc = result["accuracy"]
     if "pending" in acc:
