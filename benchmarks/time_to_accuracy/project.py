@@ -292,6 +292,9 @@ def accuracy(args: argparse.Namespace, n: int, names: list[str]) -> dict[str, An
                 source, records = "gpipe", [r for r in runs if r["label"] == "gpipe" and r["stages"] == n]
             where = f"study runs of {source} at N={at}" + (f" ({SAME_UPDATES[name]})" if name in SAME_UPDATES else "")
         entry: dict[str, Any] = {"curves": where}
+        if source is None and records:  # kept here, as these runs live only in the ignored output folder
+            entry["runs"] = {r["seed"]: {"status": r["status"], "score": score(r), "val": r["curves"]["val"]}
+                             for r in records}
         if records:
             entry.update({f"{t:.2f}": updates_needed(records, t * mean) for t in TARGETS})
         out["methods"][name] = entry
