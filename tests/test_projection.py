@@ -57,6 +57,8 @@ def test_time_per_update_is_at_least_one_stages_work(quick, name):
     for link, figures in speed.items():
         assert figures["seconds"] >= figures["stage_work"] * (1 - 1e-9) > 0, link
     assert speed["measured_cpu_hop"]["seconds"] >= speed["none"]["seconds"]
+    # the least disturbed costs are each at most the median ones, and a timeline only grows with its durations
+    assert all(f["least_disturbed"] <= f["seconds"] * (1 + 1e-9) for f in speed.values())
 
 
 def test_dataparallel_adds_the_all_reduce():
