@@ -84,6 +84,33 @@ def test_makespan_and_in_flight():
     assert [f1b.max_in_flight(k) for k in range(n)] == [n - k for k in range(n)]
 
 
+
+def test_link_cost_delays_cross_rank_inputs_only():
+    """A link cost delays an activation or gradient sent to another rank, never a stage's own F or I, nor a
+    neighbouring chunk on the same rank; without one the timeline is the unit one, to the bit."""
+    n = 3
+    one = build_schedule("gpipe", n, 1)
+    assert one.timeline() == one.timeline(link=0.0) == one.timeline({"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0})
+    assert one.makespan({"F": 1, "B": 2}) == n * 3
+    # F0 crosses n - 1 boundaries on its way down, B0 as many on its way up
+    assert one.makespan({"F": 1, "B": 2}, link=0.5) == n * 3 + 2 * (n - 1) * 0.5
+    assert one.makespan({"F": 1, "B": 2}, link={0: 0.5}) == n * 3 + 2 * 0.5  # boundary 1 is free
+    times = one.timeline({"F": 1, "B": 2}, link=0.5)
+    assert times[(n - 1, "B", 0)][0] == times[(n - 1, "F", 0)][1]  # the last stage's own F: no hop
+    chunks = build_schedule("interleaved", 1, 4, virtual=2)  # both chunks on one rank: nothing crosses a link
+    assert chunks.timeline(link=9.0) == chunks.timeline()
+    split = build_schedule("zb1p", 2, 4)
+    times = split.timeline({"F": 1, "I": 1, "W": 1}, link=0.25)
+    assert times[(0, "I", 0)][0] >= times[(1, "I", 0)][1] + 0.25  # stage 0's I waits for stage 1's I plus the hop
+
+
+def test_step_cost_follows_each_update():
+    """``step`` is added to the action an update follows, per stage where given per stage."""
+    gpipe = build_schedule("gpipe", 1, 8, group=4)
+    assert gpipe.makespan({"F": 1, "B": 1, "step": 3}) == 16 + 2 * 3
+    assert gpipe.makespan({"F": 1, "B": 1, (0, "step"): 0.5, "step": 3}) == 16 + 2 * 0.5
+    assert gpipe.makespan({"F": 1, "B": 1}) == 16
+
 def _schedule(actions, n=2, m=1, group=1):
     return Schedule("1f1b", n, m, group, tuple(tuple(a) for a in actions))
 

@@ -27,6 +27,7 @@ from enum import Enum
 
 from rayspec.core.methods import VARIANTS, method
 from rayspec.core.orders import Step, order
+from rayspec.core.simulate import simulate
 from rayspec.errors import RayspecError, unknown
 
 __all__ = ["ActionKind", "Action", "Schedule", "ScheduleError", "build_schedule", "SCHEDULES", "FLUSHED",
@@ -205,45 +206,25 @@ class Schedule:
                 raise ScheduleError(f"stage {k}: {pending} backwards accumulated but never applied")
         self.timeline()  # raises on deadlock
 
-    def timeline(self, durations: Mapping | None = None) -> dict[tuple[int, str, int], tuple[float, float]]:
-        """Start and end of every action when each starts as soon as its rank is free and its input has arrived.
+    def timeline(self, durations: Mapping | None = None, link: float | Mapping[int, float] = 0.0
+                 ) -> dict[tuple[int, str, int], tuple[float, float]]:
+        """Start and end of every action when each starts as soon as its rank is free and its input has arrived
+        (``rayspec.core.simulate``).
 
         Args:
             durations: time of each kind (default one slot each); a mapping ``kind -> t`` or
-                ``(stage, kind) -> t`` (``EQUAL_FIW``: F, I and W one unit each, B two).
+                ``(stage, kind) -> t`` (``EQUAL_FIW``: F, I and W one unit each, B two); ``step`` (or
+                ``(stage, "step")``), default 0, is added to each action followed by an update.
+            link: time an input takes between ranks (an activation forward, a gradient back; on the same rank
+                none): one figure, or per boundary ``b`` between stages ``b`` and ``b + 1``. Default 0.
 
         Raises:
             ScheduleError: if the per-rank orders deadlock.
         """
-        durations = durations or {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0}
-
-        def duration(a: Action) -> float:
-            return durations.get((a.stage, a.kind), durations.get(a.kind, 1.0))  # type: ignore[call-overload]
-
-        rows = self.rank_actions
-        keys = {a.key for acts in self.actions for a in acts}
-        times: dict[tuple[int, str, int], tuple[float, float]] = {}
-        free = [0.0] * len(rows)
-        pos = [0] * len(rows)
-        remaining = sum(len(acts) for acts in rows)
-        while remaining:
-            progressed = False
-            for r, acts in enumerate(rows):
-                while pos[r] < len(acts):
-                    a = acts[pos[r]]
-                    dep = _dependency(a, self.stages - 1, keys)
-                    if dep is not None and dep not in times:
-                        break
-                    ready = times[dep][1] if dep is not None else 0.0
-                    start = max(free[r], ready)
-                    times[a.key] = (start, start + duration(a))
-                    free[r] = start + duration(a)
-                    pos[r] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:
-                stuck = [acts[pos[r]].text for r, acts in enumerate(rows) if pos[r] < len(acts)]
-                raise ScheduleError(f"schedule deadlocks; next actions per rank: {stuck}")
+        times, stuck = simulate(self.rank_actions, self.stages, durations or {"F": 1.0, "B": 1.0, "I": 1.0, "W": 1.0},
+                                link)
+        if stuck:
+            raise ScheduleError(f"schedule deadlocks; next actions per rank: {stuck}")
         return times
 
     def order(self) -> list[Action]:
@@ -252,9 +233,9 @@ class Schedule:
         flat = [a for acts in self.actions for a in acts]
         return sorted(flat, key=lambda a: (times[a.key][0], a.stage))
 
-    def makespan(self, durations: Mapping | None = None) -> float:
-        """Ideal time of the whole segment under the given action durations."""
-        return max(end for _, end in self.timeline(durations).values())
+    def makespan(self, durations: Mapping | None = None, link: float | Mapping[int, float] = 0.0) -> float:
+        """Ideal time of the whole segment under the given action durations (and link cost, see ``timeline``)."""
+        return max(end for _, end in self.timeline(durations, link).values())
 
     def bubble(self, durations: Mapping | None = None) -> float:
         """Idle over busy time of the ranks on the simulated timeline (default ``EQUAL_FIW``): what
@@ -342,18 +323,6 @@ class Schedule:
         for k, row in enumerate(cells):
             lines.append(f"{'rank' if self.virtual > 1 else 'stage'} {k} | " + " ".join(c.ljust(width) for c in row).rstrip())
         return "\n".join(lines)
-
-
-def _dependency(a: Action, last: int, keys: set) -> tuple[int, str, int] | None:
-    """The action whose output ``a`` needs: the previous stage's F, the next stage's B or I, or its own F or I."""
-    if a.kind == "F":
-        return (a.stage - 1, "F", a.microbatch) if a.stage > 0 else None
-    if a.kind == "W":
-        return (a.stage, "I", a.microbatch)
-    if a.stage < last:
-        after = (a.stage + 1, "B", a.microbatch)
-        return after if after in keys else (a.stage + 1, "I", a.microbatch)
-    return (a.stage, "F", a.microbatch)
 
 
 def _count_le(sorted_values: list[float], t: float) -> int:
