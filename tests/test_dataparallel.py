@@ -118,7 +118,10 @@ def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_se
     assert all(set(r) == {"step", "loss", "lr", "samples_per_s", "elapsed_s"} for r in steps)
     assert all(r["samples_per_s"] > 0 for r in steps)
     assert all(r["lr"] == 0.05 for r in steps)
-    assert [r["step"] for r in evals] == [60, 120] and all(set(r) == {"step", "val_loss", "val_accuracy"} for r in evals)
+    assert [r["step"] for r in evals] == [60, 120]
+    assert all(set(r) == {"step", "train_s", "val_loss", "val_accuracy"} for r in evals)
+    # rank 0's training clock: it grows, and stays within the driver's (which includes the start and the hand-overs)
+    assert 0 < evals[0]["train_s"] < evals[1]["train_s"] <= summary["train_s"] + 1.0
     assert records.index(evals[0]) == records.index(steps[2]) + 1  # the step record, then the evaluation
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"]
     assert evals[-1]["val_accuracy"] > 0.3  # 10 classes: chance is 0.1

@@ -27,6 +27,14 @@ worker and its error (``FloatingPointError`` stays one, as in the pipeline). If 
 or is interrupted, it shuts the queue down, so rank 0's next ``put`` fails and Ray Train ends the run
 instead of training on.
 
+[Note: training clock] Each evaluation record carries ``train_s``, the seconds trained up to the weights it
+scores, as the pipeline's does. The pipeline stops its clock while the driver evaluates between segments; here the
+workers train on while the driver evaluates, so the clock is rank 0's own: seconds since its first update, less the
+time it spent handing weights and checkpoint pieces to the queue, read when it hands the weights over. Evaluation
+time is not in it, but the driver's evaluation shares the machine with the workers and may slow them where the
+workers hold every CPU. ``summary.json``'s ``train_s`` stays the driver's: from the workers' "ready" to the final
+weights.
+
 [Note: Tune] A Ray Train run starts its own controller and worker group with their own placement
 group; inside a Ray Tune trial whose placement group already holds the trial's resources it would wait
 for resources forever. ``run_dataparallel`` therefore refuses a ``placement_group`` with a clear
@@ -154,7 +162,7 @@ class _Collector:
             for value in msg[1]:
                 self.progress.loss(0, value)
         elif kind in ("eval", "final"):
-            self._weights(kind, msg[1], _load_state(msg[2]))
+            self._weights(kind, msg[1], _load_state(msg[2]), self.resumed_s + msg[3])
         elif kind == "checkpoint":
             self._checkpoint_piece(msg[1], msg[2], torch.load(io.BytesIO(msg[3]), weights_only=True))
         elif kind == "stats":
@@ -166,14 +174,15 @@ class _Collector:
         """Seconds trained: the resumed run's, and since the workers were ready (to the final weights, if in)."""
         return self.resumed_s + (self.t_end or time.perf_counter()) - (self.t_ready or self.t_start)
 
-    def _weights(self, kind: str, step: int, state: dict[str, torch.Tensor]) -> None:
-        """Rank 0's weights at an evaluation point or the end: evaluated on the driver, as the pipeline does."""
+    def _weights(self, kind: str, step: int, state: dict[str, torch.Tensor], trained_s: float) -> None:
+        """Rank 0's weights at an evaluation point or the end: evaluated on the driver, as the pipeline does;
+        ``trained_s``: rank 0's training seconds when it made them (see [Note: training clock])."""
         if kind == "final":
             self.final, self.t_end = state, time.perf_counter()
         val = self.ctx.prepared.data.val
         if val is not None:
             self.evals = evaluate(self.ctx.prepared.model, state, val, self.ctx.config.train.eval_batch_size)
-            self.progress.write({"step": step, **self.evals})
+            self.progress.write({"step": step, "train_s": trained_s, **self.evals})
             log.info("eval  %6d  val_loss %.4f  val_accuracy %.4f", step, self.evals["val_loss"],
                      self.evals["val_accuracy"])
 
