@@ -92,7 +92,8 @@ def _train_replica(loop_config: dict[str, Any], model: nn.Module, stage: Stage, 
 
     Returns:
         Seconds this rank trained (since its first update), without the time it spent handing weights and
-        checkpoint pieces over, as the pipeline's clock leaves evaluations and checkpoints out.
+        checkpoint pieces over and waiting for the driver's evaluations, as the pipeline's clock leaves evaluations
+        and checkpoints out.
     """
     import ray
 
@@ -115,6 +116,7 @@ def _train_replica(loop_config: dict[str, Any], model: nn.Module, stage: Stage, 
             if evaluating and loop_config["has_val"]:
                 t_put = time.perf_counter()
                 queue.put(("eval", step, _cpu_state(model), t_put - t0 - handing))
+                loop_config["evaluated"].get()  # the driver evaluated them: train on (dataparallel's note)
                 handing += time.perf_counter() - t_put
         if (every and step % every == 0) or step == t.max_steps:  # rank 0: the replica; every rank: its stream
             t_put = time.perf_counter()
