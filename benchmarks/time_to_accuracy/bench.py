@@ -26,8 +26,9 @@ accumulates N-1 micro-batches (two weight versions: none may be in flight across
 on whole batches. ``interleaved`` (2 chunks per stage actor) is skipped when the model has fewer than 2N blocks.
 Every method trains the study's batch size for the study's number of updates.
 
-``--quick``: the reviews study, ``vanilla`` and ``spectrain-paper``, one seed, 12 updates evaluated every 4, in the
-scratch folder. Results: ``benchmarks/results/OUT.json`` (default ``time_to_accuracy``) and ``OUT.png`` beside it.
+``--quick``: the study (reviews by default), ``vanilla`` and ``spectrain-paper``, one seed, 12 updates evaluated
+every 4, in the scratch folder. Results: ``benchmarks/results/OUT.json`` (default ``time_to_accuracy``) and
+``OUT.png`` beside it.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ EXTRA_LABELS: dict[str, list[str]] = {
     "spectrain-paper-acc4": [*METHOD_LABELS["spectrain-paper"], "pipeline.accumulate=4"],
 }
 """Labels of this benchmark beyond the studies' ``METHOD_LABELS``, with their overrides."""
-QUICK = {"study": "reviews", "methods": "vanilla,spectrain-paper", "seeds": "0", "max_steps": 12, "eval_every": 4}
+QUICK = {"methods": "vanilla,spectrain-paper", "seeds": "0", "max_steps": 12, "eval_every": 4}
 PIPELINE = ["pipeline.executor=ray", "pipeline.transport=p2p", "pipeline.probe=0"]
 """What every run at N stages sets beyond its method: the Ray executor, p2p, no prediction scoring."""
 
@@ -141,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--eval-every", type=int, default=None, help="updates between evaluations (default: half the "
                                                                  "study's train.eval_every)")
     ap.add_argument("--address", default=None, help="a running Ray cluster to use (default: a fresh local one)")
-    ap.add_argument("--quick", action="store_true", help="vanilla and spectrain-paper, 1 seed, 12 updates (a smoke run)")
+    ap.add_argument("--quick", action="store_true",
+                    help="vanilla and spectrain-paper, 1 seed, 12 updates (a smoke run)")
     ap.add_argument("--out", default="time_to_accuracy", help="result name: benchmarks/results/OUT.json and OUT.png")
     args = ap.parse_args(argv)
     methods = [m for m in (args.methods or (QUICK["methods"] if args.quick else ",".join(METHODS))).split(",") if m]
@@ -158,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.eval_every is not None and args.eval_every < 1:
         ap.error(f"--eval-every={args.eval_every} must be >= 1")
 
-    training = [f"train.max_steps={QUICK['max_steps']}", f"train.eval_every={QUICK['eval_every']}"] if args.quick else []
+    training = ([f"train.max_steps={QUICK['max_steps']}", f"train.eval_every={QUICK['eval_every']}"]
+                if args.quick else [])
     study = load_study(args.study, training, methods=["vanilla"], stages=[args.stages], seeds=seeds, lr_sweep=False)
     eval_every = args.eval_every or (QUICK["eval_every"] if args.quick else
                                      max(1, int(study.base["train"]["eval_every"]) // 2))
@@ -208,14 +211,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     _curves.add_ratios(rows, keys)
 
     settings = {"stages": args.stages, "seeds": seeds, "methods": methods, "eval_every": eval_every,
-                "max_steps": int(study.base["train"]["max_steps"]), "batch_size": int(study.base["train"]["batch_size"]),
+                "max_steps": int(study.base["train"]["max_steps"]),
+                "batch_size": int(study.base["train"]["batch_size"]),
                 "executor": "ray", "transport": "p2p", "cpus_per_stage": cpus, "baseline": f"{BASELINE}: vanilla, "
                 "1 stage, local executor", "study_overrides": study.overrides, "threads": study.threads,
                 "method_overrides": {label: method_overrides(label, 1 if label == BASELINE else args.stages)
                                      for label in runs}}
     payload = {"study": study.name, "description": study.description, "settings": settings, **goal, "rows": rows,
                "skipped": skipped, "runs": runs, "wall_s": time.perf_counter() - t_all}
-    print(f"\n{study.name}, N={args.stages}: training seconds to {' and '.join(f'{t:.4f}' for t in goal['targets'].values())}"
+    levels = " and ".join(f"{t:.4f}" for t in goal["targets"].values())
+    print(f"\n{study.name}, N={args.stages}: training seconds to {levels}"
           f" validation accuracy ({' and '.join(k.replace('to_', '') + ' %' for k in keys)} of the sequential "
           f"baseline's {goal['baseline_score']:.4f}); median [per seed], x best = over the fastest median, "
           "missed = runs that did not reach it:")
