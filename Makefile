@@ -52,7 +52,8 @@ docs: $(STAMP)
 
 # Every benchmark at full size through the runner (hours on 2 cores); each writes benchmarks/results/NAME.json.
 # make bench QUICK=1: each with --quick, a smoke run that writes to a scratch folder. python -m benchmarks list
-# names them all; gpu_check (a GPU machine) and the accuracy studies (studies, studies.lr) run by hand.
+# names them all; gpu_check (a GPU machine), the accuracy studies (studies, studies.lr) and time_to_accuracy
+# (hours: every method's study runs) run by hand.
 BENCHMARKS := overhead stage_cost efficiency partition communication communication.plot memory memory.plot \
 	p2p_memory throughput peer hops recovery driver probe
 bench: $(STAMP)

@@ -283,6 +283,24 @@ def peer_crossover(d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def time_to_accuracy(d: dict[str, Any]) -> list[str]:
+    """The study's table: per method the median training seconds to each target, the ratio to the fastest median
+    and the runs that did not reach it."""
+    s, keys = d["settings"], list(d["targets"])
+    goals = ", ".join(f"{k.replace('to_', '')} % = {_num(v)}" for k, v in d["targets"].items())
+    lines = [f"Study `{d['study']}`, N={s['stages']} ({s['transport']}, {_num(s['cpus_per_stage'])} CPU per stage), "
+             f"seeds {s['seeds']}, an evaluation every {s['eval_every']} updates. Targets: shares of the sequential "
+             f"baseline's score {_num(d['baseline_score'])} ({goals}). Seconds: training time to the first evaluation "
+             "at the target (median over the seeds; – not reached).", ""]
+    head = ["method"] + [f"{c} {k.replace('to_', '')} %" for k in keys for c in ("s to", "x best", "missed")]
+    rows = [[r["method"], *[cell for k in keys for cell in (r[k]["median_s"], r[k]["ratio_to_best"],
+                                                            f"{r[k]['not_reached']}/{len(r[k]['per_seed_s'])}")],
+             r["s_per_update"]] for r in d["rows"]]
+    lines += _table([*head, "s/update"], rows)
+    skipped = [f"{label}: skipped: {reason}." for label, reason in d.get("skipped", {}).items()]
+    return [*lines, *([""] + skipped if skipped else [])]
+
+
 BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("communication", "python -m benchmarks.communication", communication),
     ("memory", "python -m benchmarks.memory", memory),
@@ -330,6 +348,9 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("study_select", "python -m benchmarks.studies.select (the commands in rayspec/experiments/studies/fashion.yaml "
      "and reviews.yaml)", study_select),
     ("study_budget", "python -m benchmarks.studies.budget --study fashion (and reviews)", study_budget),
+    ("time_to_accuracy", "python -m benchmarks.time_to_accuracy", time_to_accuracy),
+    ("time_to_accuracy_fashion", "python -m benchmarks.time_to_accuracy --study fashion --out time_to_accuracy_fashion",
+     time_to_accuracy),
 ]
 """Each record with the command that wrote it and its section's maker, in the page's order."""
 

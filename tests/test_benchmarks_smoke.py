@@ -43,7 +43,7 @@ def test_runner_lists_every_benchmark_with_its_line(capsys):
     assert set(lines) == {"overhead", "stage_cost", "efficiency", "partition", "communication", "communication.plot",
                           "memory", "memory.plot", "p2p_memory", "throughput", "peer", "hops", "recovery", "driver",
                           "probe", "gpu_check", "studies", "studies.lr", "studies.table", "studies.select",
-                          "studies.budget"}
+                          "studies.budget", "time_to_accuracy"}
     assert all(line.strip() for line in lines.values())
     assert benchmarks_main([]) == 2 and "usage" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="unknown"):
@@ -83,6 +83,54 @@ def test_quick_through_the_runner(name):
     assert res.returncode == 0, res.stderr[-3000:]
     assert (results.QUICK_RESULTS / f"{name}.json").stat().st_mtime_ns >= started
     assert {p: p.stat().st_mtime_ns for p in results.RESULTS.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_time_to_accuracy_quick_through_the_runner():
+    """``run time_to_accuracy --quick`` in its own process: a row per method run, the targets from the baseline, and
+    curves whose training seconds grow, in the scratch folder."""
+    import json
+    import subprocess
+    import time
+
+    before = {p: p.stat().st_mtime_ns for p in results.RESULTS.rglob("*") if p.is_file()}
+    started = time.time_ns()
+    res = subprocess.run([sys.executable, "-m", "benchmarks", "run", "time_to_accuracy", "--quick"],
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    path = results.QUICK_RESULTS / "time_to_accuracy.json"
+    assert path.stat().st_mtime_ns >= started and (results.QUICK_RESULTS / "time_to_accuracy.png").stat().st_size > 0
+    data = json.loads(path.read_text())
+    assert data["study"] == "reviews" and [r["method"] for r in data["rows"]] == ["sequential", "vanilla",
+                                                                                  "spectrain-paper"]
+    assert set(data["targets"]) == {"to_95", "to_99"} and 0 < data["targets"]["to_95"] < data["targets"]["to_99"] < 1
+    for label, runs in data["runs"].items():
+        for run in runs:
+            assert "error" not in run, run
+            clock = [row[1] for row in run["curve"]]
+            assert len(clock) == 3 and all(0 < a < b for a, b in zip(clock, clock[1:])), (label, run["curve"])
+            assert clock[-1] <= run["train_s"] + 1e-9 and run["updates"] == 12
+    assert {p: p.stat().st_mtime_ns for p in results.RESULTS.rglob("*") if p.is_file()} == before
+
+
+def test_time_to_accuracy_counts_runs_that_miss_the_target():
+    """The median counts a run that never reached the target as slower than all that did; failed runs miss."""
+    from benchmarks.time_to_accuracy import _curves
+
+    assert _curves.median([3.0, None, 1.0]) == 3.0 and _curves.median([3.0, None, None]) is None
+    assert _curves.median([2.0, 4.0]) == 3.0 and _curves.median([2.0, None]) is None
+    curve = [[10, 1.0, 0.5], [20, 2.0, 0.7], [30, 3.0, 0.8], [40, 4.0, 0.9]]
+    goal = _curves.targets([{"seed": 0, "curve": curve}])
+    assert goal["baseline_score"] == pytest.approx(0.8) and goal["targets"]["to_95"] == pytest.approx(0.76)
+    runs = [{"seed": 0, "curve": curve, "train_s": 4.0, "updates": 40},
+            {"seed": 1, "curve": [[10, 1.5, 0.79], [20, 3.0, 0.78]], "train_s": 3.0, "updates": 20},
+            {"seed": 2, "error": "FloatingPointError: the loss became non-finite", "curve": []}]
+    row = _curves.method_row("m", runs, goal["targets"])
+    assert row["to_95"] == {"median_s": 3.0, "per_seed_s": [3.0, 1.5, None], "not_reached": 1}
+    assert row["to_99"]["per_seed_s"] == [3.0, None, None] and row["to_99"]["median_s"] is None
+    assert row["s_per_update"] == pytest.approx(0.125) and row["errors"] == {2: runs[2]["error"]}
+    _curves.add_ratios([row], ["to_95", "to_99"])
+    assert row["to_95"]["ratio_to_best"] == 1.0 and row["to_99"]["ratio_to_best"] is None
 
 
 # ----------------------------------------------------------------------------- memory

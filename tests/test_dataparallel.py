@@ -87,8 +87,13 @@ def assert_like_sgd(run_dir, config) -> None:
             assert r["loss"] == pytest.approx(sum(losses[r["step"] - every : r["step"]]) / every, rel=1e-5)
 
 
+SLEEP = 1.5
+
+
 def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_session, caplog):
-    """Through ``rayspec.training.train``: SGD's weights, the §4 files, live records to the callbacks, the loss falls."""
+    """Through ``rayspec.training.train``: SGD's weights, the §4 files, live records to the callbacks, the loss falls;
+    a slow evaluation (a callback sleeping at the first) pauses training and stays out of both clocks."""
+    import time
 
     class Recorder:
         def __init__(self):
@@ -99,6 +104,8 @@ def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_se
 
         def on_metrics(self, record):
             self.records.append(record)
+            if record.get("step") == 60 and "val_loss" in record:
+                time.sleep(SLEEP)
 
         def on_end(self, summary):
             self.ended.append(summary)
@@ -118,7 +125,11 @@ def test_two_workers_train_like_sgd_and_write_the_run_directory(tmp_path, ray_se
     assert all(set(r) == {"step", "loss", "lr", "samples_per_s", "elapsed_s"} for r in steps)
     assert all(r["samples_per_s"] > 0 for r in steps)
     assert all(r["lr"] == 0.05 for r in steps)
-    assert [r["step"] for r in evals] == [60, 120] and all(set(r) == {"step", "val_loss", "val_accuracy"} for r in evals)
+    assert [r["step"] for r in evals] == [60, 120]
+    assert all(set(r) == {"step", "train_s", "val_loss", "val_accuracy"} for r in evals)
+    # rank 0's clock grows and, like the driver's, leaves out the evaluation it waited for
+    assert 0 < evals[0]["train_s"] < evals[1]["train_s"] < summary["train_s"] + SLEEP / 2
+    assert summary["train_s"] < summary["wall_s"] - SLEEP
     assert records.index(evals[0]) == records.index(steps[2]) + 1  # the step record, then the evaluation
     assert steps[-1]["loss"] < 0.8 * steps[0]["loss"]
     assert evals[-1]["val_accuracy"] > 0.3  # 10 classes: chance is 0.1

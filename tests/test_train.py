@@ -171,3 +171,26 @@ def test_cli_reports_bad_input_before_ray_starts(tmp_path):
     assert res.returncode == 2
     assert "error: pipeline.stages=9 but the model has 7 blocks" in res.stderr
     assert "Started a local Ray instance" not in res.stderr + res.stdout
+
+
+def test_evaluation_records_carry_the_training_clock_without_evaluation(tmp_path):
+    """Every evaluation record's ``train_s``: training seconds so far, growing, with the evaluations left out (a
+    callback that sleeps at each evaluation adds to the wall time, not to it)."""
+    import time
+
+    class SlowEvaluation:
+        def on_weights(self, step, state):
+            time.sleep(0.3)
+
+    config = from_mapping(compose_config("pipeline.method=spectrain", "pipeline.executor=local", "pipeline.stages=2",
+                                         "model.size=tiny", "train.max_steps=40", "train.log_every=10",
+                                         "train.eval_every=10"))
+    t0 = time.perf_counter()
+    summary = run_training(config, tmp_path, callbacks=[SlowEvaluation()])
+    wall = time.perf_counter() - t0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "val_accuracy" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30, 40]
+    clock = [r["train_s"] for r in evals]
+    assert all(0 < a < b for a, b in zip(clock, clock[1:])) and clock[-1] == summary["train_s"]
+    assert clock[-1] < wall - 4 * 0.3  # the four sleeps are outside the clock

@@ -18,14 +18,22 @@ So the driver creates a ``ray.util.queue.Queue`` (an actor holding no CPU), pass
 while training runs. At every logging or evaluation point and at the end, the workers all-reduce the
 window's per-update losses (one small collective for the whole window) and rank 0 puts them on the
 queue; at evaluation points rank 0 also puts its ``state_dict``, which the driver evaluates with
-``trainer.evaluate``, as the pipeline does, while the workers keep training; at the end every rank puts
+``trainer.evaluate``, as the pipeline does, and waits until the driver puts the step on a second queue
+(``evaluated``; the other workers wait in the next all-reduce), so training pauses while the driver evaluates, as
+the pipeline's does, and the evaluation takes no CPU from the workers; at the end every rank puts
 its stats and rank 0 its final ``state_dict``. Items are plain values (weights as ``torch.save``
 bytes) held by the queue actor, so they outlive the worker processes that Ray Train tears down after
 ``fit()``. Failures: a worker that raises puts its error on the queue first; ``fit()`` then raises
 (``FailureConfig(max_failures=0)``: no retries) and the driver raises ``DataParallelError`` naming the
 worker and its error (``FloatingPointError`` stays one, as in the pipeline). If the driver itself fails
-or is interrupted, it shuts the queue down, so rank 0's next ``put`` fails and Ray Train ends the run
+or is interrupted, it shuts both queues down, so rank 0's next ``put`` or ``get`` fails and Ray Train ends the run
 instead of training on.
+
+[Note: training clock] Each evaluation record carries ``train_s``, the seconds trained up to the weights it
+scores, as the pipeline's does (its clock stops while the driver evaluates between segments). Here it is rank 0's
+own clock: seconds since its first update, less the time it spent handing weights and checkpoint pieces to the queue
+and waiting for the driver's evaluations, read when it hands the weights over. ``summary.json``'s ``train_s`` is the
+driver's: from the workers' "ready" to the final weights, less the time it spent evaluating before them.
 
 [Note: Tune] A Ray Train run starts its own controller and worker group with their own placement
 group; inside a Ray Tune trial whose placement group already holds the trial's resources it would wait
@@ -101,14 +109,15 @@ def run_dataparallel(ctx: RunContext) -> dict[str, Any]:
     backend = "nccl" if gpus > 0 else "gloo"
     log.info("dataparallel: %d Ray Train workers (DDP over %s), %d samples each per update, %g CPU%s per worker",
              p.stages, backend, c.train.batch_size // p.stages, cpus, f" and {gpus:g} GPU" if gpus else "")
-    queue = Queue(actor_options={"num_cpus": 0})
-    trainer = _trainer(ctx, queue, cpus, gpus)
-    return _report(ctx, _train(ctx, trainer, queue), backend)
+    queue, evaluated = Queue(actor_options={"num_cpus": 0}), Queue(actor_options={"num_cpus": 0})
+    trainer = _trainer(ctx, queue, evaluated, cpus, gpus)
+    return _report(ctx, _train(ctx, trainer, queue, evaluated), backend)
 
 
 # ------------------------------------------------------------------------ driver side
-def _trainer(ctx: RunContext, queue: Any, cpus: float, gpus: float) -> Any:
-    """Ray Train's ``TorchTrainer`` of ``pipeline.stages`` workers running ``worker_loop``, which report on ``queue``."""
+def _trainer(ctx: RunContext, queue: Any, evaluated: Any, cpus: float, gpus: float) -> Any:
+    """Ray Train's ``TorchTrainer`` of ``pipeline.stages`` workers running ``worker_loop``, which report on ``queue``
+    (rank 0 waits on ``evaluated`` at evaluation points)."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -119,7 +128,7 @@ def _trainer(ctx: RunContext, queue: Any, cpus: float, gpus: float) -> Any:
     resources = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     return TorchTrainer(
         worker_loop,
-        train_loop_config={"config": c, "queue": queue, "threads": max(1, int(cpus)),
+        train_loop_config={"config": c, "queue": queue, "evaluated": evaluated, "threads": max(1, int(cpus)),
                            "has_val": prepared.data.val is not None, **refs},
         scaling_config=ScalingConfig(num_workers=c.pipeline.stages, use_gpu=gpus > 0, resources_per_worker=resources,
                                      placement_strategy=c.pipeline.placement.upper()),
@@ -132,9 +141,9 @@ class _Collector:
     """The driver's side of the queue: progress and ``metrics.jsonl``, evaluations, checkpoints (once every rank's
     piece is in), the workers' stats and errors, rank 0's final weights, and the training clock."""
 
-    def __init__(self, ctx: RunContext, progress: Progress) -> None:
+    def __init__(self, ctx: RunContext, progress: Progress, evaluated: Any) -> None:
         resume = ctx.prepared.resume
-        self.ctx, self.progress = ctx, progress
+        self.ctx, self.progress, self.evaluated = ctx, progress, evaluated
         self.evals: dict[str, float] = {} if resume is None else json.loads(resume["evals"])
         self.resumed_s = 0.0 if resume is None else float(resume["train_s"])
         self.parts: dict[int, dict[int, dict]] = {}  # step -> rank -> that rank's checkpoint piece
@@ -144,6 +153,7 @@ class _Collector:
         self.t_start = time.perf_counter()
         self.t_ready: float | None = None
         self.t_end: float | None = None
+        self.eval_s = 0.0  # seconds spent evaluating while the workers waited
 
     def take(self, msg: tuple) -> None:
         """Act on one queue item."""
@@ -154,7 +164,7 @@ class _Collector:
             for value in msg[1]:
                 self.progress.loss(0, value)
         elif kind in ("eval", "final"):
-            self._weights(kind, msg[1], _load_state(msg[2]))
+            self._weights(kind, msg[1], _load_state(msg[2]), self.resumed_s + msg[3])
         elif kind == "checkpoint":
             self._checkpoint_piece(msg[1], msg[2], torch.load(io.BytesIO(msg[3]), weights_only=True))
         elif kind == "stats":
@@ -163,19 +173,25 @@ class _Collector:
             self.errors.append(msg[1:])
 
     def train_s(self) -> float:
-        """Seconds trained: the resumed run's, and since the workers were ready (to the final weights, if in)."""
-        return self.resumed_s + (self.t_end or time.perf_counter()) - (self.t_ready or self.t_start)
+        """Seconds trained: the resumed run's, and since the workers were ready (to the final weights, if in) less
+        the evaluations the workers waited for."""
+        return self.resumed_s + (self.t_end or time.perf_counter()) - (self.t_ready or self.t_start) - self.eval_s
 
-    def _weights(self, kind: str, step: int, state: dict[str, torch.Tensor]) -> None:
-        """Rank 0's weights at an evaluation point or the end: evaluated on the driver, as the pipeline does."""
+    def _weights(self, kind: str, step: int, state: dict[str, torch.Tensor], trained_s: float) -> None:
+        """Rank 0's weights at an evaluation point or the end: evaluated on the driver, as the pipeline does;
+        ``trained_s``: rank 0's training seconds when it made them (see [Note: training clock])."""
         if kind == "final":
             self.final, self.t_end = state, time.perf_counter()
+        t0 = time.perf_counter()
         val = self.ctx.prepared.data.val
         if val is not None:
             self.evals = evaluate(self.ctx.prepared.model, state, val, self.ctx.config.train.eval_batch_size)
-            self.progress.write({"step": step, **self.evals})
+            self.progress.write({"step": step, "train_s": trained_s, **self.evals})
             log.info("eval  %6d  val_loss %.4f  val_accuracy %.4f", step, self.evals["val_loss"],
                      self.evals["val_accuracy"])
+        if kind == "eval":  # rank 0 waits for this before it trains on
+            self.evaluated.put(step)
+            self.eval_s += time.perf_counter() - t0
 
     def _checkpoint_piece(self, step: int, rank: int, piece: dict) -> None:
         """Every rank's piece of one step; the checkpoint is written once all are in."""
@@ -183,12 +199,11 @@ class _Collector:
         n = self.ctx.config.pipeline.stages
         if len(self.parts[step]) == n:
             pieces = self.parts.pop(step)
-            elapsed = self.resumed_s + time.perf_counter() - (self.t_ready or self.t_start)
             self.ctx.store.save(step, payload(self.ctx.config, self.ctx.prepared.balance,
-                                              [pieces[r] for r in range(n)], elapsed, self.evals))
+                                              [pieces[r] for r in range(n)], self.train_s(), self.evals))
 
 
-def _train(ctx: RunContext, trainer: Any, queue: Any) -> _Collector:
+def _train(ctx: RunContext, trainer: Any, queue: Any, evaluated: Any) -> _Collector:
     """Run ``trainer.fit()`` in a thread and take the queue's items on this one until it ends; see the module's
     note on the metrics channel."""
     resume = ctx.prepared.resume
@@ -205,18 +220,20 @@ def _train(ctx: RunContext, trainer: Any, queue: Any) -> _Collector:
     with open(ctx.run_dir / "metrics.jsonl", "a") as metrics:
         progress = Progress(ctx.config, metrics, ctx.callbacks)
         progress.updates = start
-        got = _Collector(ctx, progress)
+        got = _Collector(ctx, progress, evaluated)
         thread = threading.Thread(target=fit, name="rayspec-dataparallel-fit", daemon=True)
         thread.start()
         try:
             for msg in _messages(queue, thread):
                 got.take(msg)
         except BaseException:
-            queue.shutdown(force=True)  # rank 0's next put fails, which ends the Ray Train run
+            queue.shutdown(force=True)  # rank 0's next put (or wait) fails, which ends the Ray Train run
+            evaluated.shutdown(force=True)
             thread.join(timeout=60)
             raise
         thread.join()
         queue.shutdown(force=True)
+        evaluated.shutdown(force=True)
         if "error" in outcome:
             raise _worker_error(got.errors, outcome["error"])
         if got.final is None:

@@ -251,7 +251,7 @@ class _RunLoop:
                 if scoring:
                     stats = executor.stage_stats()
                     scored, last_scored = prediction_window(stats, last_scored), stats
-                progress.write({"step": done, **tally.evals, **scored})
+                progress.write({"step": done, "train_s": tally.train_s, **tally.evals, **scored})
                 log.info("eval  %6d  val_loss %.4f  val_accuracy %.4f", done, tally.evals["val_loss"],
                          tally.evals["val_accuracy"])
             if done == end or (ck.every and done % ck.every == 0):

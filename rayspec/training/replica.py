@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import time
 from typing import Any
 
 import torch
@@ -43,13 +44,13 @@ def worker_loop(loop_config: dict[str, Any]) -> None:
         model, stage, allreduced, start = _replica(loop_config, rank)
         if rank == 0:
             queue.put(("ready",))
-        _train_replica(loop_config, model, stage, rank, world, start)
+        trained_s = _train_replica(loop_config, model, stage, rank, world, start)
         st = stage_stats(stage)
         st["stage"] = rank
         st["sent_bytes"] = {"allreduce": allreduced[0]}  # the one-stage replica hands nothing to other stages
         queue.put(("stats", rank, st))
         if rank == 0:
-            queue.put(("final", loop_config["config"].train.max_steps, _cpu_state(model)))
+            queue.put(("final", loop_config["config"].train.max_steps, _cpu_state(model), trained_s))
     except BaseException as err:
         try:
             queue.put(("error", rank, type(err).__name__, str(err)), timeout=5)
@@ -85,15 +86,22 @@ def _replica(loop_config: dict[str, Any], rank: int) -> tuple[nn.Module, Stage, 
 
 
 def _train_replica(loop_config: dict[str, Any], model: nn.Module, stage: Stage, rank: int, world: int,
-                   start: int) -> None:
+                   start: int) -> float:
     """Train to ``train.max_steps`` on this rank's chunk of every global batch; at every logging, evaluation or
-    checkpoint point and at the end, hand the window's losses, the weights and checkpoint pieces to the queue."""
+    checkpoint point and at the end, hand the window's losses, the weights and checkpoint pieces to the queue.
+
+    Returns:
+        Seconds this rank trained (since its first update), without the time it spent handing weights and
+        checkpoint pieces over and waiting for the driver's evaluations, as the pipeline's clock leaves evaluations
+        and checkpoints out.
+    """
     import ray
 
     c: Config = loop_config["config"]
     queue, t, every = loop_config["queue"], c.train, c.checkpoint.every
     batches = train_batches(ray.get(loop_config["data"]), t.batch_size, c.seed, start=start)
     window: list[torch.Tensor] = []
+    t0, handing = time.perf_counter(), 0.0  # handing: seconds spent putting weights and pieces on the queue
     for step in range(start + 1, t.max_steps + 1):
         x, y = next(batches)
         window.append(stage.forward(step - 1, x.chunk(world)[rank], y.chunk(world)[rank]))
@@ -106,12 +114,21 @@ def _train_replica(loop_config: dict[str, Any], model: nn.Module, stage: Stage, 
         if rank == 0:
             queue.put(("losses", values))
             if evaluating and loop_config["has_val"]:
-                queue.put(("eval", step, _cpu_state(model)))
+                t_put = time.perf_counter()
+                queue.put(("eval", step, _cpu_state(model), t_put - t0 - handing))
+                loop_config["evaluated"].get()  # the driver evaluated them: train on (dataparallel's note)
+                handing += time.perf_counter() - t_put
         if (every and step % every == 0) or step == t.max_steps:  # rank 0: the replica; every rank: its stream
+            t_put = time.perf_counter()
+            trained_s = t_put - t0 - handing
             piece = stage.checkpoint_state()
             if rank:
                 piece = {"version": piece["version"], "rng": piece["rng"], "stats": piece["stats"]}
             queue.put(("checkpoint", step, rank, _to_bytes(piece)))
+            handing += time.perf_counter() - t_put
+            if step == t.max_steps:
+                return trained_s
+    return time.perf_counter() - t0 - handing
 
 
 def _window_losses(window: list[torch.Tensor], world: int, step: int) -> list[float]:
