@@ -43,7 +43,7 @@ def test_runner_lists_every_benchmark_with_its_line(capsys):
     assert set(lines) == {"overhead", "stage_cost", "efficiency", "partition", "communication", "communication.plot",
                           "memory", "memory.plot", "p2p_memory", "throughput", "peer", "hops", "recovery", "driver",
                           "probe", "gpu_check", "studies", "studies.lr", "studies.table", "studies.select",
-                          "studies.budget", "time_to_accuracy"}
+                          "studies.budget", "time_to_accuracy", "time_to_accuracy.project"}
     assert all(line.strip() for line in lines.values())
     assert benchmarks_main([]) == 2 and "usage" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="unknown"):
