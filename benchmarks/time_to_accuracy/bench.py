@@ -34,7 +34,6 @@ every 4, in the scratch folder. Results: ``benchmarks/results/OUT.json`` (defaul
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging.handlers
 import tempfile
@@ -43,13 +42,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from benchmarks._shared.processes import start_ray
 from benchmarks._shared.results import results_dir, table, write
 from benchmarks.time_to_accuracy import _curves
-from rayspec.cli.study_config import BASELINE, METHOD_LABELS, Study, load_study
-from rayspec.config import Config, from_mapping
+from rayspec.cli.study_config import BASELINE, METHOD_LABELS, Study, load_study, with_settings
+from rayspec.config import Config
 
 METHODS = ("dataparallel", "vanilla", "gpipe", "1f1b", "zb1p", "interleaved", "async", "pipedream", "pipedream-2bw",
            "spectrain-paper", "spectrain-paper-acc4", "spectrain-paper-adaptive")
@@ -83,15 +80,7 @@ def method_overrides(label: str, stages: int) -> list[str]:
 def run_config(study: Study, overrides: Sequence[str]) -> Config:
     """The study's composed config with ``overrides`` (plain ``key=value`` settings, as the study sets its own keys
     in ``rayspec.cli.study_config.run_config``) set on it."""
-    cfg = copy.deepcopy(study.base)
-    for override in overrides:
-        key, _, value = override.partition("=")
-        *path, leaf = key.split(".")
-        node = cfg
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
-    return from_mapping(cfg)
+    return with_settings(study.base, overrides)
 
 
 def read_curve(run_dir: Path) -> list[list[float]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -269,8 +269,13 @@ def run_config(study: Study, spec: RunSpec) -> Config:
     Hydra composes from ``spec.overrides``; they are overrides this module writes (``key=scalar``), so a split
     reads them, where Hydra's parser reads what a user writes (``rayspec.cli.common.parse_overrides``).
     """
-    cfg = copy.deepcopy(study.base or compose(study.overrides))
-    for override in spec.owned:
+    return with_settings(study.base or compose(study.overrides), spec.owned)
+
+
+def with_settings(base: Mapping[str, Any], settings: Sequence[str]) -> Config:
+    """A copy of the composed mapping ``base`` with each plain ``key=scalar`` of ``settings`` set on it, validated."""
+    cfg = copy.deepcopy(dict(base))
+    for override in settings:
         key, _, value = override.partition("=")
         *path, leaf = key.split(".")
         node = cfg
