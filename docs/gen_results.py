@@ -301,6 +301,34 @@ def time_to_accuracy(d: dict[str, Any]) -> list[str]:
     return [*lines, *([""] + skipped if skipped else [])]
 
 
+def time_to_accuracy_projected(d: dict[str, Any]) -> list[str]:
+    """A projection, labelled so: per stage count and link, each method's seconds per update and projected seconds
+    to each target (the studies' updates to target times the simulated seconds per update)."""
+    lines = [f"**A projection**, not a measurement: study `{d['study']}`; each stage's action costs measured on the "
+             "local executor (one thread), replayed through the schedule simulator as if each stage had its own "
+             "device, times the updates to target of the study's runs. Left out: " + "; ".join(d["left_out"]) + ".",
+             ""]
+    for n, block in d["stages"].items():
+        if "skipped" in block:
+            lines += [f"N={n}: not projected: {block['skipped']}.", ""]
+            continue
+        for link in d["links"]:
+            pair = [block["time_to_target"].get(f"{link} {t}") for t in ("0.95", "0.99")]
+            if None in pair:
+                continue
+            rows = []
+            for name, speed in block["per_update"].items():
+                cells = []
+                for got in pair:
+                    r = got["methods"].get(name, {})
+                    cells += ([f"{r['seconds']:.2f}", f"{r['ratio']:.2f}"] if r.get("seconds") is not None else
+                              [r.get("why", "–"), "–"])
+                rows.append([f"`{name}`", f"{1000 * speed[link]['seconds']:.1f}", *cells])
+            lines += [f"N={n}, link `{link}` (winner to 99 %: `{pair[1]['winner']}`):", "",
+                      *_table(["method", "ms per update", "s to 95 %", "x best", "s to 99 %", "x best"], rows), ""]
+    return lines
+
+
 BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("communication", "python -m benchmarks.communication", communication),
     ("memory", "python -m benchmarks.memory", memory),
@@ -349,6 +377,8 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
      "and reviews.yaml)", study_select),
     ("study_budget", "python -m benchmarks.studies.budget --study fashion (and reviews)", study_budget),
     ("time_to_accuracy", "python -m benchmarks.time_to_accuracy", time_to_accuracy),
+    ("time_to_accuracy_projected", "python -m benchmarks.time_to_accuracy.project --study reviews --stages 4,8 "
+     "--repeats 25 --updates 4", time_to_accuracy_projected),
     ("time_to_accuracy_fashion", "python -m benchmarks.time_to_accuracy --study fashion --out time_to_accuracy_fashion",
      time_to_accuracy),
 ]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 
 from benchmarks._shared.results import RESULTS, table, write
+from benchmarks.time_to_accuracy._curves import median
 from rayspec.cli.study_config import BASELINE, load_study, run_config, run_spec
 from rayspec.cli.study_run import finished_record, train_run
 from rayspec.cli.study_stats import score, updates_to
@@ -81,9 +83,7 @@ LEFT_OUT = ["contention: a device computing while it copies, several messages sh
             "per-message overheads beyond the measured or assumed hop; Ray's per-call overheads",
             "memory limits: stashed weights and the activations of micro-batches in flight",
             "CPU times of one thread stand in for a device's: on a GPU the ratios of F, B, step and prediction differ",
-            "the costs were measured on a loaded 2-core machine: medians of segment means, not an idle device",
-            "nothing is subtracted for the prediction probe (pipeline.probe, on as the study trained): SpecTrain's F "
-            "and B include its scoring"]
+            "the costs are medians of segment means on a 2-core CPU machine (see loadavg), not an idle device"]
 
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -156,6 +156,7 @@ def _setup(study: _Study, name: str, n: int, updates: int) -> dict[str, Any]:
     if chunks > study.blocks:
         return {"skipped": f"{chunks} stages (N={n} x {config.pipeline.virtual_stages} chunks per device) but the "
                            f"model has {study.blocks} blocks"}
+    config.pipeline = replace(config.pipeline, probe=0)  # the prediction probe scores; it does not train
     prepared = prepare(config, data=study.data)
     method = METHODS[config.pipeline.method]
     assert method.schedule is not None
@@ -244,12 +245,13 @@ def study_curves(name: str) -> tuple[dict[str, Any], Path] | None:
 
 
 def updates_needed(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
-    """Per seed the first evaluated update at ``target`` (None: never), their median over the seeds that reached."""
+    """Per seed the first evaluated update at ``target`` (None: never), and their median with a run that never
+    reached counted as the slowest (``_curves.median``, as the measured benchmark counts them): None when the median
+    falls on such a run."""
     per_seed = {r["seed"]: updates_to(r["curves"]["val"], target) if r.get("status") == "ok" else None
                 for r in records}
-    reached = [u for u in per_seed.values() if u is not None]
-    return {"per_seed": per_seed, "median": statistics.median(reached) if reached else None,
-            "not_reached": len(per_seed) - len(reached)}
+    return {"per_seed": per_seed, "median": median(list(per_seed.values())),
+            "not_reached": sum(u is None for u in per_seed.values())}
 
 
 def own_runs(study_name: str, name: str, n: int, seeds: list[int], out: Path) -> list[dict[str, Any]]:
@@ -323,9 +325,9 @@ def project(args: argparse.Namespace, n: int, link_models: dict[str, tuple[float
 
 
 def _time_to_target(speed: dict, acc: dict, link_models: dict) -> dict[str, Any]:
-    """Per link and target: each method's projected seconds (median over the seeds that reached, their range, the
-    seeds that never did), the winner among the methods that reached on most of their seeds, and every median's
-    ratio to the winner's."""
+    """Per link and target: each method's projected seconds (the median over the seeds, a run that never reached
+    counted as the slowest; the range of those that reached; the seeds that never did), the winner, and every
+    median's ratio to the winner's."""
     if "methods" not in acc:
         return {}
     out: dict[str, Any] = {}
@@ -335,7 +337,8 @@ def _time_to_target(speed: dict, acc: dict, link_models: dict) -> dict[str, Any]
             for name, entry in acc["methods"].items():
                 need = entry.get(f"{t:.2f}")
                 if need is None or need["median"] is None:
-                    rows[name] = {"seconds": None, "why": entry["curves"] if need is None else "never reached"}
+                    rows[name] = {"seconds": None, "why": entry["curves"] if need is None else
+                                  f"not reached on {need['not_reached']} of {len(need['per_seed'])} seeds"}
                     continue
                 s = speed[name][link]["seconds"]
                 reached = [u * s for u in need["per_seed"].values() if u is not None]
@@ -343,7 +346,7 @@ def _time_to_target(speed: dict, acc: dict, link_models: dict) -> dict[str, Any]
                               "least_disturbed": need["median"] * speed[name][link]["least_disturbed"],
                               "updates": need["median"], "not_reached": need["not_reached"],
                               "seeds": len(need["per_seed"])}
-            full = {k: r for k, r in rows.items() if r["seconds"] is not None and 2 * r["not_reached"] < r["seeds"]}
+            full = {k: r for k, r in rows.items() if r["seconds"] is not None}
             best = min(full, key=lambda k: full[k]["seconds"]) if full else None
             for r in rows.values():
                 if best is not None and r["seconds"] is not None:
@@ -398,8 +401,8 @@ def _print(n: int, result: dict[str, Any]) -> None:
                          "ratio": f"{r['ratio']:.2f}" if "ratio" in r else "-",
                          "ratio_ld": f"{r['ratio_least_disturbed']:.2f}" if "ratio" in r else "-", "note": ""})
         print(f"\nN={n}, link {link}: projected seconds to {float(t) * 100:.0f} % of the sequential score "
-              f"({acc['baseline_score'] * float(t):.4f}); winner {block['winner']} (median over the seeds that reached; "
-              "ratio_ld: from the least disturbed costs)")
+              f"({acc['baseline_score'] * float(t):.4f}); winner {block['winner']} (median over the seeds, a miss "
+              "counted as the slowest; ratio_ld: from the least disturbed costs)")
         print(table(rows, list(rows[0])))
 
 
@@ -410,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.seeds = [int(s) for s in str(args.seeds).split(",")]
     torch.set_num_threads(1)
     link_models = links(args)
+    load_before = os.getloadavg()
     results = {}
     for n in (int(s) for s in args.stages.split(",")):
         results[str(n)] = project(args, n, link_models)
@@ -421,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                "dataparallel_model": "N replicas: whole-model F + B on batch / N with one step, then a ring all-reduce "
                                      "of 2 (N - 1) messages of parameter bytes / N over the link",
                "same_updates": SAME_UPDATES, "left_out": LEFT_OUT, "simulated_updates": SIMULATED_UPDATES,
-               "stages": results}
+               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "stages": results}
     print(f"wrote {write(NAME, payload, quick=args.quick)}")
 
 
