@@ -379,6 +379,8 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("time_to_accuracy", "python -m benchmarks.time_to_accuracy", time_to_accuracy),
     ("time_to_accuracy_projected", "python -m benchmarks.time_to_accuracy.project --study reviews --stages 4,8 "
      "--repeats 25 --updates 4", time_to_accuracy_projected),
+    ("time_to_accuracy_projected_fashion", "python -m benchmarks.time_to_accuracy.project --study fashion --stages 4,8 "
+     "--repeats 15 --updates 4", time_to_accuracy_projected),
     ("time_to_accuracy_fashion", "python -m benchmarks.time_to_accuracy --study fashion --out time_to_accuracy_fashion",
      time_to_accuracy),
 ]

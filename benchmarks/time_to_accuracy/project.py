@@ -57,6 +57,7 @@ from rayspec.training.loop import split_batches
 from rayspec.training.prepare import prepare, stage_spec
 
 NAME = "time_to_accuracy_projected"
+"""The results' name for ``reviews``; another study's adds ``_STUDY`` (``time_to_accuracy_projected_fashion``)."""
 TARGETS = (0.95, 0.99)
 """Fractions of the sequential baseline's mean score."""
 SIMULATED_UPDATES = 32
@@ -426,7 +427,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      "of 2 (N - 1) messages of parameter bytes / N over the link",
                "same_updates": SAME_UPDATES, "left_out": LEFT_OUT, "simulated_updates": SIMULATED_UPDATES,
                "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "stages": results}
-    print(f"wrote {write(NAME, payload, quick=args.quick)}")
+    name = NAME if args.study == "reviews" else f"{NAME}_{args.study}"
+    print(f"wrote {write(name, payload, quick=args.quick)}")
 
 
 if __name__ == "__main__":
