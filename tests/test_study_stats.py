@@ -8,8 +8,8 @@ import statistics
 import pytest
 
 from rayspec.cli.study_config import BASELINE, Study, run_name
-from rayspec.cli.study_stats import diverged_at, interval, paired, score, t_quantile, updates_to
-from rayspec.cli.study_tables import identical_groups, protocol_cells, protocol_lines
+from rayspec.cli.study_stats import collapsed, diverged_at, interval, paired, score, t_quantile, updates_to
+from rayspec.cli.study_tables import identical_groups, protocol_cells, protocol_lines, sweep_lines, sweep_rows
 
 
 def record(label, seed, accs, stages=1, losses=None, status="ok"):
@@ -99,3 +99,39 @@ def test_runs_that_differ_in_one_seed_are_not_merged():
     recs = records_for(st, {BASELINE: (same, ["ok"] * 3), "async": (same, ["ok"] * 3),
                             "pipedream": ([*same[:2], [0.5, 0.6, 0.71]], ["ok"] * 3)})
     assert identical_groups(st, recs, 4) == [["async"], ["pipedream"]]
+
+
+def test_runs_that_end_at_a_constant_prediction_are_counted_as_collapsed_and_left_out():
+    """A run at chance (always the most frequent class) whose loss never passed 3x its first is not diverged: it
+    collapsed, and is counted so, never averaged in."""
+    chance = 0.1
+    assert collapsed(record("async", 0, [0.3, 0.1, 0.1, 0.1], 4), chance)
+    assert collapsed(record("async", 0, [0.1, 0.105, 0.11], 4), chance)  # within one point
+    assert not collapsed(record("async", 0, [0.5, 0.6, 0.7], 4), chance)
+    assert not collapsed(record("async", 0, [0.1, 0.1, 0.1], 4), None)  # chance unknown: nothing collapsed
+    assert not collapsed(record("async", 0, [0.1, 0.1], 4, status="diverged"), chance)  # diverged, not collapsed
+    st = study(("async",))
+    ok = ["ok"] * 3
+    recs = records_for(st, {BASELINE: ([[0.8, 0.9, 0.9]] * 3, ok),
+                            "async": ([[0.8, 0.9, 0.88], [0.3, 0.1, 0.1, 0.1], [0.8, 0.85, 0.86]], ok)})
+    a = protocol_cells(st, recs, chance)["async", 4]
+    assert (a["runs"], a["scored"], a["collapsed"], a["diverged"], a["pairs"]) == (3, 2, 1, 0, 2)
+    assert a["score"] == pytest.approx(statistics.fmean([(0.8 + 0.9 + 0.88) / 3, (0.8 + 0.85 + 0.86) / 3]))
+    assert a["not_reached"] == 1  # the collapsed run is counted among the runs that never reached the target
+    text = "\n".join(protocol_lines(st, recs, chance))
+    assert "| diverged | collapsed |" in text and "| 0 of 3 | 1 of 3 |" in text and "(10.0 %)" in text
+    assert "collapsed" not in "\n".join(protocol_lines(st, recs))  # without a chance level: the old table
+
+
+def test_the_rate_sweep_marks_collapsed_runs_and_keeps_them_in_the_mean():
+    st = Study(name="s", overrides=[], methods=["async"], stages=[4], seeds=[0, 1],
+               lr_sweep={"stages": 4, "seeds": [0, 1], "factors": [1, 3]})
+    recs = {}
+    for seed in (0, 1):
+        recs[run_name(BASELINE, 1, seed)] = record(BASELINE, seed, [0.9])
+        recs[run_name(BASELINE, 1, seed, 0.03)] = record(BASELINE, seed, [0.8])  # 3x the default rate
+        recs[run_name("async", 4, seed)] = record("async", seed, [0.85], 4)
+        recs[run_name("async", 4, seed, 0.03)] = record("async", seed, [0.1 if seed else 0.7], 4)
+    rows = {(r["label"], r["factor"]): r for r in sweep_rows(st, recs, 0.1)}
+    assert rows["async", 3]["collapsed"] == 1 and rows["async", 3]["score"] == pytest.approx(0.4)
+    assert "| `async` | 85.00 | 40.00 (1 c) |" in "\n".join(sweep_lines(st, list(rows.values())))

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rayspec.cli.study_config import BASELINE, RunSpec, Study, predicts, run_name, study_settings
+from rayspec.cli.study_config import BASELINE, RunSpec, Study, predicts, run_name, study_settings, with_settings
 from rayspec.cli.study_tables import plot_bands, plot_sweep, protocol_cells, protocol_lines, sweep_lines, sweep_rows
+from rayspec.config.compose import compose
+from rayspec.training.prepare import run_data
 
 __all__ = ["cells", "markdown", "plot_curves", "write_report"]
 
@@ -304,20 +307,32 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def chance_level(study: Study) -> float | None:
+    """The accuracy of always predicting the most frequent class of the study's evaluation split: a run that ends
+    there learned nothing it kept (``rayspec.cli.study_stats.collapsed``). None when the split has no labels."""
+    val = run_data(with_settings(study.base or compose(study.overrides), [])).val
+    size = 0 if val is None else len(val)  # type: ignore[arg-type]
+    if val is None or not size:
+        return None
+    counts = Counter(int(val[i][1]) for i in range(size))
+    return max(counts.values()) / sum(counts.values())
+
+
 def write_report(study: Study, runs: Sequence[RunSpec], records: Mapping[str, dict[str, Any]],
                  directory: Path) -> dict[str, Any]:
     """Write ``study.md``, ``study_results.json`` and the plots into ``directory``; return the JSON's contents."""
     settings = study_settings(study)
     table = cells(study, records)
-    sweep = sweep_rows(study, records)
-    text = markdown(study, table, settings, [*protocol_lines(study, records), *sweep_lines(study, sweep)])
+    chance = chance_level(study)
+    sweep = sweep_rows(study, records, chance)
+    text = markdown(study, table, settings, [*protocol_lines(study, records, chance), *sweep_lines(study, sweep)])
     (directory / "study.md").write_text(text)
     plot_curves(study, records, directory)
     plot_bands(study, records, directory)
     plot_sweep(study, sweep, directory)
     payload = {
         "study": study.name, "settings": settings, "baseline": _baseline_note(study), "table": table,
-        "protocol": list(protocol_cells(study, records).values()), "lr_sweep": sweep,
+        "chance": chance, "protocol": list(protocol_cells(study, records, chance).values()), "lr_sweep": sweep,
         "runs": [{"name": spec.name, **records[spec.name]} for spec in runs if spec.name in records],
         "markdown": text,
     }

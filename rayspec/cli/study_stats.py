@@ -12,13 +12,17 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["LAST_EVALUATIONS", "DIVERGENCE_FACTOR", "score", "diverged_at", "paired", "t_quantile", "interval",
-           "updates_to"]
+__all__ = ["LAST_EVALUATIONS", "DIVERGENCE_FACTOR", "COLLAPSE_MARGIN", "score", "diverged_at", "collapsed", "paired",
+           "t_quantile", "interval", "updates_to"]
 
 LAST_EVALUATIONS = 3
 """A run's score is the mean validation accuracy of its last this many evaluations (less noisy than the last one)."""
 DIVERGENCE_FACTOR = 3.0
 """A run whose training loss exceeds this multiple of its first logged loss (or turns non-finite) diverged."""
+
+COLLAPSE_MARGIN = 0.01
+"""A run whose score is within this of ``chance`` (the accuracy of always predicting the evaluation split's most
+frequent class) collapsed: it ended no better than a constant prediction, whatever its loss did on the way."""
 
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
          11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
@@ -45,6 +49,13 @@ def diverged_at(losses: Sequence[Sequence[float]], factor: float = DIVERGENCE_FA
         if not math.isfinite(loss) or (math.isfinite(first) and loss > factor * first):
             return int(step), loss
     return None
+
+
+def collapsed(record: Mapping[str, Any], chance: float | None, margin: float = COLLAPSE_MARGIN) -> bool:
+    """Whether a scored run ended no better than a constant prediction: its score at most ``chance + margin``
+    (``chance``: None when the study does not know it; then no run collapsed)."""
+    s = score(record)
+    return chance is not None and s is not None and s <= chance + margin
 
 
 def t_quantile(df: int) -> float:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rayspec.cli.study_config import BASELINE, Study, run_name, sweep_rates
-from rayspec.cli.study_stats import LAST_EVALUATIONS, interval, paired, score, updates_to
+from rayspec.cli.study_stats import COLLAPSE_MARGIN, LAST_EVALUATIONS, collapsed, interval, paired, score, updates_to
 
 __all__ = ["TARGET", "NOISE_FLOOR", "protocol_cells", "identical_groups", "protocol_lines", "sweep_rows", "sweep_lines",
            "plot_sweep", "plot_bands"]
@@ -35,23 +35,27 @@ def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def protocol_cells(study: Study, records: Mapping[str, dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
-    """Per method and stage count: scores over seeds (diverged runs counted, not averaged), paired differences to
-    the same seed's sequential run with their 95 % t interval, and updates to ``TARGET`` of the sequential score."""
+def protocol_cells(study: Study, records: Mapping[str, dict[str, Any]],
+                   chance: float | None = None) -> dict[tuple[str, int], dict[str, Any]]:
+    """Per method and stage count: scores over seeds (diverged and collapsed runs counted, not averaged), paired
+    differences to the same seed's sequential run with their 95 % t interval, and updates to ``TARGET`` of the
+    sequential score. ``chance``: the accuracy of a constant prediction on the evaluation split (``collapsed``)."""
     out: dict[tuple[str, int], dict[str, Any]] = {}
     for n in study.stages:
         base = [s for r in _runs(study, records, BASELINE, n) if (s := score(r)) is not None]
         target = TARGET * statistics.fmean(base) if base else None
         for label in [BASELINE, *study.methods]:
-            runs = _runs(study, records, label, n)
+            every = _runs(study, records, label, n)
+            runs = [r for r in every if not collapsed(r, chance)]
             scores = [s for r in runs if (s := score(r)) is not None]
             deltas = paired(runs, records) if label != BASELINE else []
-            reached = [updates_to(r["curves"]["val"], target) for r in runs if score(r) is not None] \
+            reached = [updates_to(r["curves"]["val"], target) for r in every if score(r) is not None] \
                 if target is not None else []
             out[label, n] = {
-                "label": label, "stages": n, "runs": len(runs), "scored": len(scores),
-                "diverged": sum(r["status"] == "diverged" for r in runs),
-                "failed": sum(r["status"] == "failed" for r in runs),
+                "label": label, "stages": n, "runs": len(every), "scored": len(scores),
+                "diverged": sum(r["status"] == "diverged" for r in every),
+                "collapsed": len(every) - len(runs), "chance": chance,
+                "failed": sum(r["status"] == "failed" for r in every),
                 "score": _mean(scores), "score_std": statistics.stdev(scores) if len(scores) > 1 else None,
                 "delta": _mean(deltas), "delta_ci": interval(deltas), "pairs": len(deltas),
                 "target": target, "updates_to_target": [u for u in reached if u is not None],
@@ -101,25 +105,31 @@ def _reach(cell: Mapping[str, Any]) -> str:
     return text + (f" ({cell['not_reached']} not)" if cell["not_reached"] else "")
 
 
-def protocol_lines(study: Study, records: Mapping[str, dict[str, Any]]) -> list[str]:
-    """The protocol's table per stage count, in markdown."""
-    cells = protocol_cells(study, records)
+def protocol_lines(study: Study, records: Mapping[str, dict[str, Any]], chance: float | None = None) -> list[str]:
+    """The protocol's table per stage count, in markdown (``chance``: ``protocol_cells``)."""
+    cells = protocol_cells(study, records, chance)
+    fell = "" if chance is None else (
+        f"; collapsed: runs whose score ended within {100 * COLLAPSE_MARGIN:.0f} point of always predicting the "
+        f"evaluation split's most frequent class ({100 * chance:.1f} %), counted and never averaged")
     lines = [f"Score: the mean validation accuracy of the last {LAST_EVALUATIONS} evaluations (%), mean ± sample std "
              "over seeds; Δ: the paired difference to the same seed's sequential run (points) with its 95 % t "
              f"interval; diverged: runs whose training loss turned non-finite or exceeded 3x its first value (counted,"
-             f" never averaged); updates to {100 * TARGET:.0f} %: the median first evaluated update at which a run "
-             f"reached {100 * TARGET:.0f} % of the sequential mean score. `{NOISE_FLOOR}` computes sequential SGD's "
-             "updates and differs only by rounding: its row is the noise floor.", ""]
+             f" never averaged){fell}; updates to {100 * TARGET:.0f} %: the median first evaluated update at which a "
+             f"run reached {100 * TARGET:.0f} % of the sequential mean score. `{NOISE_FLOOR}` computes sequential "
+             "SGD's updates and differs only by rounding: its row is the noise floor.", ""]
     for n in study.stages:
         groups = identical_groups(study, records, n)
+        extra = chance is not None
         lines += [f"N = {n} stages:", "", "| method | score % | Δ vs sequential [95 % CI] | diverged | "
-                  f"updates to {100 * TARGET:.0f} % |", "|---|---|---|---|---|"]
+                  + ("collapsed | " if extra else "") + f"updates to {100 * TARGET:.0f} % |",
+                  "|---|---|---|---|---|" + ("---|" if extra else "")]
         rows = [[BASELINE]] + sorted(groups, key=lambda g: g[0] != NOISE_FLOOR)
         for group in rows:
             c = cells[group[0], n]
             name = " = ".join(f"`{g}`" for g in group) + (" (noise floor)" if group[0] == NOISE_FLOOR else "")
+            fallen = f"{c['collapsed']} of {c['runs']} | " if chance is not None else ""
             lines.append(f"| {name} | {_pct(c['score'], c['score_std'])} | {_delta(c)} | {c['diverged']} of "
-                         f"{c['runs']} | {_reach(c)} |")
+                         f"{c['runs']} | {fallen}{_reach(c)} |")
         merged = [g for g in groups if len(g) > 1]
         if merged:
             lines += ["", "Merged: " + "; ".join(" = ".join(g) for g in merged) + f" at N={n}: their runs are "
@@ -128,8 +138,10 @@ def protocol_lines(study: Study, records: Mapping[str, dict[str, Any]]) -> list[
     return lines
 
 
-def sweep_rows(study: Study, records: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rate sweep: per method and rate, the mean score over the sweep's seeds and the diverged count."""
+def sweep_rows(study: Study, records: Mapping[str, dict[str, Any]],
+               chance: float | None = None) -> list[dict[str, Any]]:
+    """The rate sweep: per method and rate, the mean score over the sweep's seeds (collapsed runs included: at a
+    rate, collapsing is the outcome) and the diverged and collapsed counts."""
     sweep = study.lr_sweep
     if sweep is None:
         return []
@@ -140,7 +152,8 @@ def sweep_rows(study: Study, records: Mapping[str, dict[str, Any]]) -> list[dict
             runs = [records[name] for seed in sweep["seeds"] if (name := run_name(label, stages, seed, lr)) in records]
             scores = [s for r in runs if (s := score(r)) is not None]
             rows.append({"label": label, "factor": factor, "lr": runs[0]["lr"] if runs else lr, "runs": len(runs),
-                         "score": _mean(scores), "diverged": sum(r["status"] == "diverged" for r in runs)})
+                         "score": _mean(scores), "diverged": sum(r["status"] == "diverged" for r in runs),
+                         "collapsed": sum(collapsed(r, chance) for r in runs)})
     return rows
 
 
@@ -152,13 +165,15 @@ def sweep_lines(study: Study, rows: Sequence[Mapping[str, Any]]) -> list[str]:
     factors = list(sweep["factors"])
     by = {(r["label"], r["factor"]): r for r in rows}
     lines = [f"Accuracy against the learning rate at N = {sweep['stages']} (score %, mean over seeds "
-             f"{sweep['seeds']}; `d`: diverged runs), rates as multiples of the study's ([`accuracy_vs_lr.png`]"
+             f"{sweep['seeds']}; `d`: diverged runs, `c`: collapsed runs, in the mean), rates as multiples of the "
+             "study's ([`accuracy_vs_lr.png`]"
              "(accuracy_vs_lr.png)):", "", "| method | " + " | ".join(f"{f:g}x" for f in factors) + " |",
              "|---|" + "---|" * len(factors)]
     for label in dict.fromkeys(r["label"] for r in rows):
         cells = [by[label, f] for f in factors]
-        lines.append(f"| `{label}` | " + " | ".join(_pct(c["score"]) + (f" ({c['diverged']} d)" if c["diverged"] else "")
-                                                    for c in cells) + " |")
+        marks = [" ".join(f"{c[k]} {k[0]}" for k in ("diverged", "collapsed") if c.get(k)) for c in cells]
+        lines.append(f"| `{label}` | " + " | ".join(_pct(c["score"]) + (f" ({m})" if m else "")
+                                                    for c, m in zip(cells, marks)) + " |")
     return [*lines, ""]
 
 

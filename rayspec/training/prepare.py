@@ -89,9 +89,7 @@ def prepare(config: Config, run_dir: str | os.PathLike | None = None, model: nn.
                 f"train.max_steps={config.train.max_steps}; raise train.max_steps to train on"
             )
     torch.manual_seed(config.seed)
-    data = _build_data(config) if data is None else data
-    data = DataBundle(_first(data.train, config.train.train_samples), _first(data.val, config.train.val_samples),
-                      data.info)
+    data = run_data(config, data)
     torch.manual_seed(config.seed)  # the model's initial weights depend on the seed only
     model = model if model is not None else _build_model(config, data.info)
     n_train = len(data.train)  # type: ignore[arg-type]
@@ -103,6 +101,14 @@ def prepare(config: Config, run_dir: str | os.PathLike | None = None, model: nn.
         return Prepared(config, data, model, [len(model)], None, folder, resume, resume_path)
     planned = _partition(model, data, config, balance=kept)
     return Prepared(config, data, model, list(planned.balance), planned, folder, resume, resume_path)
+
+
+def run_data(config: Config, data: DataBundle | None = None) -> DataBundle:
+    """The data a run trains and evaluates on: ``data``, or the set ``config.data`` names, cut to
+    ``train.train_samples`` and ``train.val_samples``."""
+    data = _build_data(config) if data is None else data
+    return DataBundle(_first(data.train, config.train.train_samples), _first(data.val, config.train.val_samples),
+                      data.info)
 
 
 def _build_data(config: Config) -> DataBundle:
