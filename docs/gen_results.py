@@ -476,7 +476,7 @@ def beside_authors(label: str, report: dict[str, Any]) -> list[str]:
     cells = {(c["label"], c["stages"]): c for c in report["protocol"]}
     lines = ["Beside the authors' rows of the same stage count (`docs/design.md` §6: another model, data set and "
              "scale, converged; for reference only). Changes in points against the baseline (ours: the same seed's "
-             "sequential run, mean and 95 % interval; theirs: DP, one run):", "",
+             "sequential run, mean and 95 % interval over the runs that did not collapse; theirs: DP, one run):", "",
              "| | N | baseline % | MP (`async`) | PD (`pipedream`) | STv1 (`spectrain-paper`) | "
              "STv2 (`spectrain-consistent`) |", "|---|---|---|---|---|---|---|"]
     for n, theirs in rows.items():
@@ -484,9 +484,11 @@ def beside_authors(label: str, report: dict[str, Any]) -> list[str]:
             continue
         ours = []
         for m in PAPER_LABELS:
-            c = cells.get((m, n))
-            ci = c and c["delta_ci"]
-            ours.append("–" if not ci else _signed(100 * c["delta"]) + f" [{_signed(100 * ci[0])}, {_signed(100 * ci[1])}]")
+            c = cells.get((m, n)) or {}
+            ci = c.get("delta_ci")
+            text = ("–" if c.get("delta") is None else _signed(100 * c["delta"])
+                    + (f" [{_signed(100 * ci[0])}, {_signed(100 * ci[1])}]" if ci else f" ({c['pairs']} run)"))
+            ours.append(text + (f", {c['collapsed']} of {c['runs']} collapsed" if c.get("collapsed") else ""))
         lines += [f"| `{label}` | {n} | {100 * cells['sequential', n]['score']:.1f} | " + " | ".join(ours) + " |",
                   f"| *authors, {what}* | {n} | *DP {dp:.2f}* | "
                   + " | ".join(f"*{_signed(v - dp, 2)}*" for v in theirs) + " |"]
