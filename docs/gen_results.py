@@ -376,7 +376,7 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("study_select", "python -m benchmarks.studies.select (the commands in rayspec/experiments/studies/fashion.yaml "
      "and reviews.yaml)", study_select),
     ("study_budget", "python -m benchmarks.studies.budget --study fashion (and reviews)", study_budget),
-    ("time_to_accuracy", "python -m benchmarks.time_to_accuracy", time_to_accuracy),
+    ("time_to_accuracy", "python -m benchmarks.time_to_accuracy --eval-every 25", time_to_accuracy),
     ("time_to_accuracy_projected", "python -m benchmarks.time_to_accuracy.project --study reviews --stages 4,8 "
      "--repeats 25 --updates 4", time_to_accuracy_projected),
     ("time_to_accuracy_projected_fashion", "python -m benchmarks.time_to_accuracy.project --study fashion --stages 4,8 "

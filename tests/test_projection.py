@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
 
@@ -23,11 +24,13 @@ def quick(tmp_path_factory):
     scratch = tmp_path_factory.mktemp("quick")
     before = {p: p.stat().st_mtime_ns for p in results.RESULTS.rglob("*") if p.is_file()}
     saved, results.QUICK_RESULTS = results.QUICK_RESULTS, scratch
+    threads = torch.get_num_threads()
     try:
         project.main(["--quick"])
     finally:
         results.QUICK_RESULTS = saved
     assert {p: p.stat().st_mtime_ns for p in results.RESULTS.rglob("*") if p.is_file()} == before
+    assert torch.get_num_threads() == threads  # later tests compare runs bit for bit with runs in other processes
     return json.loads((scratch / f"{project.NAME}.json").read_text())
 
 

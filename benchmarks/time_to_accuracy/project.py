@@ -408,11 +408,18 @@ def _print(n: int, result: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = _args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per stage, as the studies train; the caller's count comes back after
+    try:
+        _project_all(_args(argv))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _project_all(args: argparse.Namespace) -> None:
     if args.quick:
         args.stages, args.repeats, args.updates = "2", 1, 2
     args.seeds = [int(s) for s in str(args.seeds).split(",")]
-    torch.set_num_threads(1)
     link_models = links(args)
     load_before = os.getloadavg()
     results = {}
