@@ -1,7 +1,7 @@
 """Projected time to a target accuracy at N devices: measured stage costs replayed through the schedule simulator.
 
     python -m benchmarks.time_to_accuracy.project [--study reviews] [--stages 4,8] [--link-us 5] [--link-gbps 400] \\
-        [--repeats 5] [--updates 8] [--seeds 0,1,2] [--out outputs/time_to_accuracy] [--quick]
+        [--repeats 5] [--updates 8] [--seeds 0,1,2] [--out outputs/time_to_accuracy] [--set KEY=VALUE ...] [--quick]
 
 A projection, not a measurement. For each method it
 
@@ -97,6 +97,9 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--updates", type=int, default=8, help="updates per timed segment")
     ap.add_argument("--seeds", default="0,1,2", help="seeds of the runs trained here (methods the study lacks)")
     ap.add_argument("--out", default="outputs/time_to_accuracy", help="folder of the runs trained here")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a training override for every run, after the study's own (data.path=FILE: a copy of the "
+                         "study's data file); repeatable")
     ap.add_argument("--quick", action="store_true", help="N=2, one short segment, no runs trained (a smoke test)")
     return ap.parse_args(argv)
 
@@ -104,15 +107,15 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
 class _Study:
     """The study's composed settings, one per extra override list (composing is slow)."""
 
-    def __init__(self, name: str) -> None:
-        self.name, self.loaded, self.data = name, {}, None
+    def __init__(self, name: str, overrides: Sequence[str] = ()) -> None:
+        self.name, self.overrides, self.loaded, self.data = name, list(overrides), {}, None
         whole = prepare(self.config("vanilla", [], 1))
         self.data, self.blocks = whole.data, len(whole.model)
 
     def config(self, label: str, extra: list[str], stages: int, seed: int = 0, **changes: Any) -> Any:
         key = (label if extra else "", *extra)  # the study checks its methods under the overrides: only ours
         if key not in self.loaded:
-            self.loaded[key] = load_study(self.name, overrides=extra, seeds=[seed], lr_sweep=False,
+            self.loaded[key] = load_study(self.name, overrides=[*self.overrides, *extra], seeds=[seed], lr_sweep=False,
                                           **({"methods": [label]} if extra else {}))
         config = run_config(self.loaded[key], run_spec(self.loaded[key], label, stages, seed))
         for section, values in changes.items():
@@ -255,11 +258,12 @@ def updates_needed(records: list[dict[str, Any]], target: float) -> dict[str, An
             "not_reached": sum(u is None for u in per_seed.values())}
 
 
-def own_runs(study_name: str, name: str, n: int, seeds: list[int], out: Path) -> list[dict[str, Any]]:
-    """The records of ``name`` at ``n`` trained here (or found finished in ``out``), the study's overrides and the
-    method's, as the study runner trains a run."""
+def own_runs(args: argparse.Namespace, name: str, n: int) -> list[dict[str, Any]]:
+    """The records of ``name`` at ``n`` trained here (or found finished in ``args.out``), the study's overrides, then
+    ``--set``'s, then the method's, as the study runner trains a run."""
     label, extra, _ = PROJECTED[name]
-    study = load_study(study_name, overrides=extra, seeds=seeds, lr_sweep=False, methods=[label])
+    study_name, seeds, out = args.study, args.seeds, Path(args.out)
+    study = load_study(study_name, overrides=[*args.overrides, *extra], seeds=seeds, lr_sweep=False, methods=[label])
     records = []
     for seed in seeds:
         spec = run_spec(study, label, n, seed)
@@ -286,7 +290,7 @@ def accuracy(args: argparse.Namespace, n: int, names: list[str]) -> dict[str, An
     for name in names:
         _, _, source = PROJECTED[name]
         if source is None:
-            records = [] if args.quick else own_runs(args.study, name, n, args.seeds, Path(args.out))
+            records = [] if args.quick else own_runs(args, name, n)
             where = f"trained here, seeds {args.seeds}" if records else "not measured"
         else:
             at = 1 if source == BASELINE else n
@@ -306,7 +310,7 @@ def accuracy(args: argparse.Namespace, n: int, names: list[str]) -> dict[str, An
 
 def project(args: argparse.Namespace, n: int, link_models: dict[str, tuple[float, float]]) -> dict[str, Any]:
     """Costs, seconds per update and time to each target of every method at ``n`` devices."""
-    study = _Study(args.study)
+    study = _Study(args.study, args.overrides)
     measured = measure(study, n, args.repeats, args.updates)
     if all("skipped" in m for name, m in measured.items() if name != "dataparallel"):
         return {"skipped": measured["gpipe"]["skipped"]}
