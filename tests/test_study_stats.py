@@ -8,6 +8,7 @@ import statistics
 import pytest
 
 from rayspec.cli.study_config import BASELINE, Study, run_name
+from rayspec.cli.study_report import _entry, cells
 from rayspec.cli.study_stats import collapsed, diverged_at, interval, paired, score, t_quantile, updates_to
 from rayspec.cli.study_tables import identical_groups, protocol_cells, protocol_lines, sweep_lines, sweep_rows
 
@@ -135,3 +136,20 @@ def test_the_rate_sweep_marks_collapsed_runs_and_keeps_them_in_the_mean():
     rows = {(r["label"], r["factor"]): r for r in sweep_rows(st, recs, 0.1)}
     assert rows["async", 3]["collapsed"] == 1 and rows["async", 3]["score"] == pytest.approx(0.4)
     assert "| `async` | 85.00 | 40.00 (1 c) |" in "\n".join(sweep_lines(st, list(rows.values())))
+
+
+def test_the_final_figures_table_counts_collapsed_runs():
+    """The report's older table (the last evaluation's figures of every run that did not diverge) says how many of
+    its runs collapsed, which the protocol's table leaves out."""
+    st = study(("async",))
+    ok = ["ok"] * 3
+    recs = records_for(st, {BASELINE: ([[0.8, 0.9, 0.9]] * 3, ok),
+                            "async": ([[0.8, 0.9, 0.88], [0.3, 0.1, 0.1, 0.1], [0.8, 0.85, 0.86]], ok)})
+    for r in recs.values():
+        r["final"] = {"val_accuracy": r["curves"]["val"][-1][2], "val_loss": 1.0}
+    a = {(c["label"], c["stages"]): c for c in cells(st, recs, chance=0.1)}["async", 4]
+    assert (a["runs"], a["ok"], a["collapsed"], a["diverged"]) == (3, 3, 1, 0)
+    assert a["val_accuracy"] == pytest.approx((0.88 + 0.1 + 0.86) / 3)
+    assert _entry(a, "val_accuracy", 100.0).endswith("(1/3 collapsed, in the mean)")
+    unknown = {(c["label"], c["stages"]): c for c in cells(st, recs)}["async", 4]  # chance unknown
+    assert unknown["collapsed"] == 0 and "collapsed" not in _entry(unknown, "val_accuracy", 100.0)

@@ -12,6 +12,7 @@ from typing import Any
 
 from rayspec.cli.study_config import BASELINE, RunSpec, Study, predicts, run_name, study_settings, with_settings
 from rayspec.cli.study_tables import plot_bands, plot_sweep, protocol_cells, protocol_lines, sweep_lines, sweep_rows
+from rayspec.cli.study_stats import collapsed
 from rayspec.config.compose import compose
 from rayspec.training.prepare import run_data
 
@@ -34,8 +35,11 @@ def _records_of(study: Study, records: Mapping[str, dict[str, Any]], label: str,
     return [records[name] for seed in study.seeds if (name := run_name(label, stages, seed)) in records]
 
 
-def cells(study: Study, records: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per method and stage count: mean and sample std over seeds of each final figure, and run counts."""
+def cells(study: Study, records: Mapping[str, dict[str, Any]], chance: float | None = None) -> list[dict[str, Any]]:
+    """One entry per method and stage count: mean and sample std over seeds of each final figure, and run counts.
+    Runs that diverged or failed are counted, not averaged; runs that collapsed (``chance``:
+    ``rayspec.cli.study_stats.collapsed``) are averaged in and counted, so that the table says so (the protocol's
+    table leaves them out)."""
     out = []
     for label in _labels(study):
         for n in study.stages:
@@ -43,7 +47,8 @@ def cells(study: Study, records: Mapping[str, dict[str, Any]]) -> list[dict[str,
             ok = [r for r in runs if r["status"] == "ok"]
             cell: dict[str, Any] = {"label": label, "stages": n, "runs": len(runs), "ok": len(ok),
                                     "diverged": sum(r["status"] == "diverged" for r in runs),
-                                    "failed": sum(r["status"] == "failed" for r in runs)}
+                                    "failed": sum(r["status"] == "failed" for r in runs),
+                                    "collapsed": sum(collapsed(r, chance) for r in ok)}
             # paired with the same seed's baseline: the seeds' spread (data, initial weights) cancels
             deltas = [r["final"]["val_accuracy"] - ref["final"]["val_accuracy"] for r in ok
                       if r["reference"] and (ref := records.get(r["reference"])) and ref["status"] == "ok"
@@ -78,6 +83,8 @@ def _entry(cell: dict[str, Any], metric: str, scale: float = 1.0, digits: int = 
         return "diverged" if cell["diverged"] else "failed"
     text = _number(cell[metric], cell[f"{metric}_std"] if cell["ok"] > 1 else None, scale, digits)
     lost = [f"{cell[k]}/{cell['runs']} {k}" for k in ("diverged", "failed") if cell[k]]
+    if cell.get("collapsed"):  # records written before the collapse count have none
+        lost.append(f"{cell['collapsed']}/{cell['runs']} collapsed, in the mean")
     return text + (f" ({', '.join(lost)})" if lost else "")
 
 
@@ -139,7 +146,8 @@ def markdown(study: Study, table: Sequence[dict[str, Any]], settings: Mapping[st
         "Every evaluation drains the pipeline (like a GPipe flush) and refills it afterwards.",
         "",
         *protocol,
-        "Final validation accuracy (%) and loss (the last evaluation only):",
+        "Final validation accuracy (%) and loss (the last evaluation only; diverged runs left out, collapsed runs "
+        "averaged in and counted: the protocol's table above leaves them out):",
         "",
     ]
     header = ["method"] + [f"{h} N={n}" for n in study.stages for h in ("val acc %", "val loss")]
@@ -322,8 +330,8 @@ def write_report(study: Study, runs: Sequence[RunSpec], records: Mapping[str, di
                  directory: Path) -> dict[str, Any]:
     """Write ``study.md``, ``study_results.json`` and the plots into ``directory``; return the JSON's contents."""
     settings = study_settings(study)
-    table = cells(study, records)
     chance = chance_level(study)
+    table = cells(study, records, chance)
     sweep = sweep_rows(study, records, chance)
     text = markdown(study, table, settings, [*protocol_lines(study, records, chance), *sweep_lines(study, sweep)])
     (directory / "study.md").write_text(text)
