@@ -14,9 +14,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks package lives at the repo root
 
+from test_data import rt_rows, write_csv  # noqa: E402
+
 from benchmarks._shared import results  # noqa: E402
 from benchmarks.time_to_accuracy import project  # noqa: E402
-from test_data import rt_rows, write_csv  # noqa: E402
 
 SYNCHRONOUS = ("vanilla", "gpipe", "1f1b", "zb1p", "interleaved")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from rayspec.cli.study_config import BASELINE, RunSpec, Study, predicts, run_name, study_settings, with_settings
-from rayspec.cli.study_tables import plot_bands, plot_sweep, protocol_cells, protocol_lines, sweep_lines, sweep_rows
 from rayspec.cli.study_stats import collapsed
+from rayspec.cli.study_tables import plot_bands, plot_sweep, protocol_cells, protocol_lines, sweep_lines, sweep_rows
 from rayspec.config.compose import compose
 from rayspec.training.prepare import run_data
 
