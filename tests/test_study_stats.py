@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from rayspec.cli.study_config import BASELINE, Study, run_name
-from rayspec.cli.study_report import _entry, cells
+from rayspec.cli.study_report import _entry, _paper_lines, cells
 from rayspec.cli.study_stats import collapsed, diverged_at, interval, paired, score, t_quantile, updates_to
 from rayspec.cli.study_tables import identical_groups, protocol_cells, protocol_lines, sweep_lines, sweep_rows
 
@@ -151,5 +151,7 @@ def test_the_final_figures_table_counts_collapsed_runs():
     assert (a["runs"], a["ok"], a["collapsed"], a["diverged"]) == (3, 3, 1, 0)
     assert a["val_accuracy"] == pytest.approx((0.88 + 0.1 + 0.86) / 3)
     assert _entry(a, "val_accuracy", 100.0).endswith("(1/3 collapsed, in the mean)")
+    row = _paper_lines(st, {("async", 4): a, (BASELINE, 4): {**a, "collapsed": 0}}, {"model": {"name": "m"}}, "tiny")
+    assert "| m tiny | 61.3 ± 44.5 | 61.3 ± 44.5† |" in "\n".join(row) and row[-1].startswith("† averages runs that collapsed")
     unknown = {(c["label"], c["stages"]): c for c in cells(st, recs)}["async", 4]  # chance unknown
     assert unknown["collapsed"] == 0 and "collapsed" not in _entry(unknown, "val_accuracy", 100.0)

@@ -210,8 +210,10 @@ def _paper_lines(study: Study, by: Mapping[tuple[str, int], dict[str, Any]], c: 
     header = ["workload"] + [f"{PAPER_COLUMNS[label]}_{n}" if "ST" in PAPER_COLUMNS[label] else f"{PAPER_COLUMNS[label]}{n}"
                             for label, n in columns]
     row = [f"{c['model']['name']} {size}"] + [_entry(by[k], "val_accuracy", 100.0, 1).split(" (")[0]
-                                              for k in columns]
+                                              + ("†" if by[k].get("collapsed") else "") for k in columns]
     lines += _table(header, [row])
+    if any(by[k].get("collapsed") for k in columns):
+        lines += ["", "† averages runs that collapsed (counted in the final-figures table above)."]
     return lines
 
 
