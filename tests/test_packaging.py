@@ -124,7 +124,7 @@ def test_the_installed_wheel_runs_outside_the_checkout(tmp_path):
     assert mine["model"] == "mymodels.build" and mine["config"]["model"] == {"_target_": "mymodels.build", "width": 12}
 
     script = python.parent / "rayspec"  # the console script: rayspec COMMAND is python -m rayspec.COMMAND
-    assert "available studies: lstm_rt, lstm_text" in run("study", "--help", command=script).stdout
+    assert "available studies: fashion, lstm_rt, lstm_text" in run("study", "--help", command=script).stdout
     run("train", "debug=smoke", "pipeline.executor=local", "hydra.run.dir=runs/script", command=script)
     assert json.loads((work / "runs/script/summary.json").read_text())["updates"] == 4
 

@@ -2,6 +2,7 @@
 
     python -m benchmarks.time_to_accuracy [--study reviews|fashion] [--methods gpipe,spectrain-paper,...]
                                           [--seeds 0,1,2] [--stages 2] [--eval-every 50] [--quick] [--out NAME]
+                                          [--set KEY=VALUE ...]
 
 Every run trains a study's model on its data with its settings (``rayspec/experiments/studies/STUDY.yaml``, read by
 ``rayspec.cli.study_config.load_study``: the same overrides, the same eval split), evaluating every ``--eval-every``
@@ -134,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="vanilla and spectrain-paper, 1 seed, 12 updates (a smoke run)")
     ap.add_argument("--out", default="time_to_accuracy", help="result name: benchmarks/results/OUT.json and OUT.png")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a training override for every run, after the study's own (data.path=FILE: a copy of the "
+                         "study's data file); repeatable")
     args = ap.parse_args(argv)
     methods = [m for m in (args.methods or (QUICK["methods"] if args.quick else ",".join(METHODS))).split(",") if m]
     for label in methods:
@@ -149,8 +153,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.eval_every is not None and args.eval_every < 1:
         ap.error(f"--eval-every={args.eval_every} must be >= 1")
 
-    training = ([f"train.max_steps={QUICK['max_steps']}", f"train.eval_every={QUICK['eval_every']}"]
-                if args.quick else [])
+    training = [*args.overrides, *([f"train.max_steps={QUICK['max_steps']}", f"train.eval_every={QUICK['eval_every']}"]
+                                   if args.quick else [])]
     study = load_study(args.study, training, methods=["vanilla"], stages=[args.stages], seeds=seeds, lr_sweep=False)
     eval_every = args.eval_every or (QUICK["eval_every"] if args.quick else
                                      max(1, int(study.base["train"]["eval_every"]) // 2))
