@@ -39,7 +39,7 @@ def _load(label: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _signed(value: float, digits: int = 1) -> str:
+def signed(value: float, digits: int = 1) -> str:
     """``value`` with its sign, a minus sign for negatives (as the README's tables write them)."""
     return f"{value:+.{digits}f}".replace("-", "\u2212")
 
@@ -53,7 +53,7 @@ def _cell(cell: dict[str, Any], baseline: bool) -> str:
     if baseline:
         return f"{acc:.1f} ± {100 * cell['val_accuracy_std']:.1f}{lost}"
     change, std = 100 * cell["val_accuracy_change"], 100 * cell["val_accuracy_change_std"]
-    return f"{acc:.1f} ({_signed(change)} ± {std:.1f}){lost}"
+    return f"{acc:.1f} ({signed(change)} ± {std:.1f}){lost}"
 
 
 def _authors(name: str) -> list[str]:
@@ -61,7 +61,7 @@ def _authors(name: str) -> list[str]:
     if name not in AUTHORS:
         return []
     what, (dp, *methods) = AUTHORS[name]
-    mp, pd, st1, st2 = (f"*{v:.2f} ({_signed(v - dp, 2)})*" for v in methods)
+    mp, pd, st1, st2 = (f"*{v:.2f} ({signed(v - dp, 2)})*" for v in methods)
     return [f"| *authors, {what}, 4 GPUs* | *DP {dp:.2f}* | {mp} | {pd} | {st1} | – | {st2} | – |"]
 
 

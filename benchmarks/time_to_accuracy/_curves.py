@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rayspec.cli.study_stats import LAST_EVALUATIONS
+from rayspec.cli.study_stats import score
 
 __all__: list[str] = []
 
@@ -17,10 +17,9 @@ FRACTIONS = (0.95, 0.99)
 
 
 def run_score(curve: Sequence[Sequence[float]]) -> float | None:
-    """A run's score as the studies take it (``rayspec.cli.study_stats.score``): the mean validation accuracy of its
-    last ``LAST_EVALUATIONS`` evaluations; ``curve`` rows ``[update, train_s, val_accuracy]``."""
-    last = [row[2] for row in curve[-LAST_EVALUATIONS:]]
-    return statistics.fmean(last) if last and all(math.isfinite(a) for a in last) else None
+    """A run's score as the studies take it (``rayspec.cli.study_stats.score``, which reads the accuracy column
+    only): ``curve`` rows ``[update, train_s, val_accuracy]``."""
+    return score({"status": "ok", "curves": {"val": curve}})
 
 
 def targets(baseline: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from typing import Any
 from benchmarks._shared.processes import start_ray
 from benchmarks._shared.results import results_dir, table, write
 from benchmarks.time_to_accuracy import _curves
-from rayspec.cli.study_config import BASELINE, METHOD_LABELS, Study, load_study, with_settings
+from rayspec.cli.study_config import BASELINE, METHOD_LABELS, load_study, with_settings
 from rayspec.config import Config
 
 METHODS = ("dataparallel", "vanilla", "gpipe", "1f1b", "zb1p", "interleaved", "async", "pipedream", "pipedream-2bw",
@@ -76,12 +76,6 @@ def method_overrides(label: str, stages: int) -> list[str]:
     if label == "pipedream-2bw":
         own = [*own, f"pipeline.accumulate={max(1, stages - 1)}"]
     return [*own, f"pipeline.stages={stages}", *PIPELINE]
-
-
-def run_config(study: Study, overrides: Sequence[str]) -> Config:
-    """The study's composed config with ``overrides`` (plain ``key=value`` settings, as the study sets its own keys
-    in ``rayspec.cli.study_config.run_config``) set on it."""
-    return with_settings(study.base, overrides)
 
 
 def read_curve(run_dir: Path) -> list[list[float]]:
@@ -159,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     eval_every = args.eval_every or (QUICK["eval_every"] if args.quick else
                                      max(1, int(study.base["train"]["eval_every"]) // 2))
     common = [f"train.eval_every={eval_every}"]
-    baseline_config = run_config(study, [*method_overrides(BASELINE, 1), "seed=0", *common])
+    baseline_config = with_settings(study.base, [*method_overrides(BASELINE, 1), "seed=0", *common])
     blocks = _blocks(baseline_config)
 
     import ray
@@ -186,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 stages = 1 if label == BASELINE else args.stages
                 over = [*method_overrides(label, stages), f"seed={seed}", *common,
                         *(per_stage if label != BASELINE else [])]
-                run = train_one(run_config(study, over), label, seed)
+                run = train_one(with_settings(study.base, over), label, seed)
                 runs[label].append({**run, "overrides": over})
                 reached = f"final {run['curve'][-1][2]:.4f}" if run["curve"] else "no evaluation"
                 shown = f"failed: {run['error'][:300]}" if "error" in run else f"{run['train_s']:.1f} s trained"

@@ -10,9 +10,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rayspec.cli.study_config import BASELINE, RunSpec, Study, predicts, run_name, study_settings, with_settings
+from rayspec.cli.study_config import BASELINE, RunSpec, Study, predicts, run_name, study_settings
 from rayspec.cli.study_stats import collapsed
 from rayspec.cli.study_tables import plot_bands, plot_sweep, protocol_cells, protocol_lines, sweep_lines, sweep_rows
+from rayspec.config import from_mapping
 from rayspec.config.compose import compose
 from rayspec.training.prepare import run_data
 
@@ -320,7 +321,7 @@ def _finite(value: Any) -> Any:
 def chance_level(study: Study) -> float | None:
     """The accuracy of always predicting the most frequent class of the study's evaluation split: a run that ends
     there learned nothing it kept (``rayspec.cli.study_stats.collapsed``). None when the split has no labels."""
-    val = run_data(with_settings(study.base or compose(study.overrides), [])).val
+    val = run_data(from_mapping(study.base or compose(study.overrides))).val
     size = 0 if val is None else len(val)  # type: ignore[arg-type]
     if val is None or not size:
         return None

@@ -119,15 +119,14 @@ def protocol_lines(study: Study, records: Mapping[str, dict[str, Any]], chance: 
              "SGD's updates and differs only by rounding: its row is the noise floor.", ""]
     for n in study.stages:
         groups = identical_groups(study, records, n)
-        extra = chance is not None
         lines += [f"N = {n} stages:", "", "| method | score % | Δ vs sequential [95 % CI] | diverged | "
-                  + ("collapsed | " if extra else "") + f"updates to {100 * TARGET:.0f} % |",
-                  "|---|---|---|---|---|" + ("---|" if extra else "")]
+                  + ("collapsed | " if fell else "") + f"updates to {100 * TARGET:.0f} % |",
+                  "|---|---|---|---|---|" + ("---|" if fell else "")]
         rows = [[BASELINE]] + sorted(groups, key=lambda g: g[0] != NOISE_FLOOR)
         for group in rows:
             c = cells[group[0], n]
             name = " = ".join(f"`{g}`" for g in group) + (" (noise floor)" if group[0] == NOISE_FLOOR else "")
-            fallen = f"{c['collapsed']} of {c['runs']} | " if chance is not None else ""
+            fallen = f"{c['collapsed']} of {c['runs']} | " if fell else ""
             lines.append(f"| {name} | {_pct(c['score'], c['score_std'])} | {_delta(c)} | {c['diverged']} of "
                          f"{c['runs']} | {fallen}{_reach(c)} |")
         merged = [g for g in groups if len(g) > 1]

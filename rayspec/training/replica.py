@@ -120,14 +120,11 @@ def _train_replica(loop_config: dict[str, Any], model: nn.Module, stage: Stage, 
                 handing += time.perf_counter() - t_put
         if (every and step % every == 0) or step == t.max_steps:  # rank 0: the replica; every rank: its stream
             t_put = time.perf_counter()
-            trained_s = t_put - t0 - handing
             piece = stage.checkpoint_state()
             if rank:
                 piece = {"version": piece["version"], "rng": piece["rng"], "stats": piece["stats"]}
             queue.put(("checkpoint", step, rank, _to_bytes(piece)))
             handing += time.perf_counter() - t_put
-            if step == t.max_steps:
-                return trained_s
     return time.perf_counter() - t0 - handing
 
 
