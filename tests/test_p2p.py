@@ -152,6 +152,7 @@ def test_a_schedule_whose_stages_take_messages_out_of_order_is_refused():
 VALUES = [
     torch.randn(4, 3),
     torch.tensor(2.5),
+    torch.randn(3, 4).t(),  # not contiguous: sent as its contiguous copy
     (torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool), None),
     (torch.randint(0, 9, (3, 7)), torch.randn(3, 7).bfloat16(), torch.empty(0, 4), torch.arange(3, dtype=torch.int8)),
     (None,),
@@ -170,15 +171,16 @@ def same(a, b) -> bool:
 def test_messages_round_trip(value):
     header, parts = pack(value)
     assert header.dtype == torch.uint8 and header.numel() == HEADER_BYTES
-    is_tuple, specs, size = read_header(header)
+    is_tuple, specs, size, starts = read_header(header)
+    assert read_header(header.clone())[:3] == (is_tuple, specs, size)  # the second read of a layout: the same answer
     assert size == payload_bytes(parts) >= MIN_PAYLOAD and size % 64 == 0
     flat = value if isinstance(value, tuple) else (value,)
-    assert [b.numel() for b in parts] == [t.numel() * t.element_size() for t in flat if t is not None]
+    assert [b.nbytes for b in parts] == [t.numel() * t.element_size() for t in flat if t is not None]
     buffer = torch.full((size + 1000,), 7, dtype=torch.uint8)  # a pooled buffer is often larger
     payload = encode(parts, buffer)
     assert payload.numel() == size
-    got = views(payload, is_tuple, specs)
-    assert same(got, value)
+    got = views(payload, is_tuple, specs, starts)
+    assert same(got, value) and same(views(payload, is_tuple, specs), value)
     for t in got if isinstance(got, tuple) else (got,):  # views into the buffer, no copy
         assert t is None or t.numel() == 0 or t.untyped_storage().data_ptr() == buffer.data_ptr()
 
@@ -246,9 +248,11 @@ def test_a_message_with_an_unsupported_tensor_is_a_clear_error():
         pack(tuple(torch.zeros(1, 1, 1, 1, 1, 1) for _ in range(10)))
 
 
-def test_payloads_that_change_size_train_the_same(ray_session, tiny):
+@pytest.mark.parametrize("nccl_rules", [False, True], ids=["gloo", "nccl-rules"])
+def test_payloads_that_change_size_train_the_same(ray_session, tiny, nccl_rules):
     """Micro-batches of 32, 16 and 48 samples in turn: each activation and gradient is padded to what its receiver
-    posted ahead, or goes as that and the rest; with the smallest buffers the numbers stay the local executor's."""
+    posted ahead, or goes as that and the rest; with the smallest buffers the numbers stay the local executor's;
+    on gloo's protocol and on NCCL's (headers apart, a group per link), run on gloo."""
     from conftest import assert_same_weights, make_stages
 
     from rayspec.exec import LocalExecutor
@@ -262,7 +266,7 @@ def test_payloads_that_change_size_train_the_same(ray_session, tiny):
     mbs = [(x[a:b], y[a:b]) for a, b in zip(cuts, cuts[1:])]
     ex = RayExecutor(make_stages(model, "spectrain", 3), "spectrain", transport="p2p", cpus_per_stage=0.5, chunk=4)
     try:
-        ex.link = P2PTransport(4, capacity=0)  # the same groups, buffers of exactly the size asked for
+        ex.link = P2PTransport(4, capacity=0, nccl_rules=nccl_rules)  # buffers of exactly the size asked for
         ex.link.start(ex.actors)
         losses = ex.run(build_schedule("1f1b", 3, len(mbs)), iter(mbs))
         ref = LocalExecutor(make_stages(model, "spectrain", 3), "spectrain")
@@ -320,17 +324,22 @@ class _Receive:
         return True
 
 
-def test_the_protocol_keeps_to_nccls_rules(monkeypatch):
+@pytest.mark.parametrize("fold_bytes,nccl_rules", [(1 << 20, False), (150, False), (1 << 20, True)],
+                         ids=["gloo", "gloo-folded-below-150-B", "nccl"])
+def test_the_protocol_keeps_to_nccls_rules(monkeypatch, fold_bytes, nccl_rules):
     """Activations of changing sizes one way and gradients the other, with receives posted ahead: every data message
-    is received at exactly its size, in posting order, one direction per group (what NCCL needs), and arrives whole."""
+    is received at exactly its size, in posting order, one direction per group (what NCCL needs), and arrives whole;
+    with the header in front of the payload, apart from it, and switching between the two as the size changes."""
     from rayspec.exec.ray import p2p
 
     world = _NcclLike()
     monkeypatch.setattr(p2p, "dist", world)
+    monkeypatch.setattr(p2p, "FOLD_BYTES", fold_bytes)
     a, b = p2p.P2PEndpoint(None), p2p.P2PEndpoint(None)
     for rank, end in enumerate((a, b)):
         end.groups = {(0, 1, "F"): "F", (1, 0, "B"): "B"}  # joined already: one group per directed link and direction
-        end.join("", 0, rank, 2, 1.0, capacity=0)
+        end.nccl_rules = nccl_rules
+        end.join("", 0, rank, 2, 1.0, capacity=0, nccl_rules=nccl_rules)
     shapes = [(4, 8), (4, 8), (2, 8), (6, 8), (6, 8), (1,), (6, 8)]
     for m, shape in enumerate(shapes):
         world.rank = 1
@@ -348,3 +357,6 @@ def test_the_protocol_keeps_to_nccls_rules(monkeypatch):
     data = {k: v for k, v in world.sent.items() if k[0] is not None}
     assert {(k[0], k[1], k[2]) for k in data} == {("F", 0, 1), ("B", 1, 0)}  # one direction per group
     assert all(world.posted[k] == len(v) for k, v in data.items())  # every message received, none left over
+    # headers sent apart, both directions: each link's first message; below 150 B also the two after a 192 B payload
+    headers_apart = sum(len(v) for k, v in world.sent.items() if k[0] is None)
+    assert headers_apart == (2 * len(shapes) if nccl_rules else {1 << 20: 2, 150: 2 * 3}[fold_bytes])

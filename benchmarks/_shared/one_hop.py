@@ -68,10 +68,13 @@ def ray_hop_s(transport: str, shape: tuple[int, ...], count: int = 50) -> float:
             ray.kill(a)
 
 
-def p2p_hop_s(shape: tuple[int, ...], count: int = 50) -> float:
+def p2p_hop_s(shape: tuple[int, ...], count: int = 50, plain: bool = False) -> float:
     """One-way seconds of a tensor between 2 Ray actors on ``pipeline.transport=p2p``'s data path: rayspec's
-    message (a header, then the bytes) over their gloo group, ping-pong timed inside the actors."""
+    message (its header and bytes) over their gloo group, ping-pong timed inside the actors; ``plain``: torch's
+    gloo ``send``/``recv`` of one buffer between the same two actors instead (what the message adds is the
+    difference, Ray's processes and their priority left out)."""
     import ray
+    import torch.distributed as dist
 
     from rayspec.exec.ray.p2p import P2PEndpoint
 
@@ -90,6 +93,15 @@ def p2p_hop_s(shape: tuple[int, ...], count: int = 50) -> float:
         def pingpong(self, rank: int, n: int) -> float:
             x = torch.randn(shape)
             t0 = time.perf_counter()
+            if plain:  # as benchmarks._shared.torch_peer times torch's hop
+                for _ in range(n):
+                    if rank == 0:
+                        dist.send(x, 1)
+                        dist.recv(x, 1)
+                    else:
+                        dist.recv(x, 0)
+                        dist.send(x, 0)
+                return time.perf_counter() - t0
             for i in range(n):
                 if rank == 0:
                     self.p2p.send(x, 1, 2 * i)

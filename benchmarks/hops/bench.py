@@ -20,6 +20,8 @@ instance each), for each activation size:
   of ``echo`` calls between the 2 actors over shared-memory channels, no task per call;
 * ``p2p_hop``: the hop of ``pipeline.transport=p2p``: rayspec's message (header and bytes in one buffer)
   from actor to actor over their gloo group, timed inside the actors (ping-pong);
+* ``gloo_in_actors``: torch's gloo ``send``/``recv`` of one buffer between the same 2 actors (the reference
+  for ``p2p_hop``: what rayspec's message adds to a gloo message, in the same processes);
 * ``ray_cpu_per_hop``: CPU seconds that all of Ray's processes (raylet, GCS, the two actors, ...) and
   the driver spend per hop of the chain (2 cores give at most 2 CPU seconds per second);
 * torch ``dist.send``/``recv`` over gloo between 2 plain processes (nice 0), one way: the data path of
@@ -129,6 +131,7 @@ def measure_ray(niceness: int | None, sizes: list[int], count: int) -> dict[str,
                     p.join()
             row["compiled_hop"] = compiled_hop_s(actors, (numel,), max(10, min(count, 50)))
             row["p2p_hop"] = p2p_hop_s((numel,), count)
+            row["gloo_in_actors"] = p2p_hop_s((numel,), count, plain=True)
             out["sizes"][kib] = {k: v * 1e3 for k, v in row.items()}
             for a in actors:
                 ray.kill(a)
@@ -160,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         runs["default"].append(measure_ray(None, sizes, count))
         runs["nice0"].append(measure_ray(0, sizes, count))
         torch_ms.append(measure_torch(sizes, count))
-    parts = ["pickle", "put_get", "call", "call_tensor", "hop", "hop_busy", "compiled_hop", "p2p_hop", "ray_cpu_per_hop"]
+    parts = ["pickle", "put_get", "call", "call_tensor", "hop", "hop_busy", "compiled_hop", "p2p_hop", "gloo_in_actors",
+             "ray_cpu_per_hop"]
     rows = []
     for kib in sizes:
         torch_hop = statistics.median(t[kib] for t in torch_ms)
@@ -171,11 +175,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             row["torch_gloo_hop"] = round(torch_hop, 3)
             row["hop_over_torch"] = round(row["hop"] / torch_hop, 1)
             row["compiled_over_torch"] = round(row["compiled_hop"] / torch_hop, 1)
-            row["p2p_over_torch"] = round(row["p2p_hop"] / torch_hop, 1)
+            row["p2p_over_torch"] = round(row["p2p_hop"] / torch_hop, 2)
+            row["p2p_over_gloo_in_actors"] = round(row["p2p_hop"] / row["gloo_in_actors"], 2)
             row["busy_over_idle"] = round(row["hop_busy"] / row["hop"], 2)
             rows.append(row)
     print(table(rows, ["kib", "workers", *parts, "torch_gloo_hop", "hop_over_torch", "compiled_over_torch",
-                       "p2p_over_torch", "busy_over_idle"]))
+                       "p2p_over_torch", "p2p_over_gloo_in_actors", "busy_over_idle"]))
     print(f"wrote {write('hops', {'count': count, 'rounds': rounds, 'unit': 'ms', 'rows': rows}, quick=args.quick)}")
 
 

@@ -6,9 +6,9 @@ result store on the critical path of every action (``benchmarks.hops``). Here th
 each stage one call per *chunk* of about ``chunk`` micro-batches, holding that stage's actions
 of the chunk in schedule order (and stage 0's inputs, the last stage's labels); inside the call
 the stage receives what each action needs from its neighbour, runs it and sends the result on
-with ``torch.distributed`` point-to-point messages: headers over a gloo group of the stage actors,
-payloads over a data group per direction, gloo (``p2p``: CPU stages, or GPU stages through pinned
-host memory) or NCCL (``p2p_nccl``: a GPU per stage, device to device). No Ray task runs per action
+with ``torch.distributed`` point-to-point messages over a data group per direction, gloo (``p2p``: CPU
+stages, or GPU stages through pinned host memory; a header in front of its payload) or NCCL (``p2p_nccl``: a
+GPU per stage, device to device; headers over a gloo group of the stage actors). No Ray task runs per action
 and no process spins while it waits. The chunks and when a send is waited on:
 ``rayspec.exec.ray.p2p_plan``; the messages and the order both ends keep: ``rayspec.exec.ray.p2p_wire``.
 
@@ -44,9 +44,11 @@ from rayspec.exec.ray.cluster import actor_died
 from rayspec.exec.ray.p2p_plan import Message, P2POp, plan_p2p, source, target
 from rayspec.exec.ray.p2p_wire import (
     CAPACITY,
+    FOLD_BYTES,
     HEADER_BYTES,
     Buffers,
     Link,
+    as_bytes,
     encode,
     pack,
     payload_bytes,
@@ -59,7 +61,7 @@ from rayspec.exec.ray.wire import to_wire
 
 __all__ = ["P2PEndpoint", "P2PTransport"]
 
-_DATA_TAG = 0  # every payload: gloo then matches in posting order, as NCCL does (p2p_wire, Note: messages)
+_DATA_TAG = 0  # every payload of a NCCL link: NCCL matches in posting order (p2p_wire, Note: messages)
 
 
 def _direction(t: int) -> str:
@@ -85,6 +87,8 @@ class P2PEndpoint:
         self.ops = ops
         self.store: Any = None
         self.groups: dict[tuple[int, int, str], Any] = {}  # (sender, receiver, direction) -> data group
+        self.tags: dict[tuple[int, int, str], int] = {}  # the same -> the tag of its data messages
+        self.nccl_rules = False  # NCCL's groups and messages (p2p_wire, Note: messages), on gloo too if asked
         self.backend: str | None = None
         self.norms_group: Any = None  # the gloo group the gradient norms are gathered over
         self.width: tuple[Any, int] | None = None  # (stage, most gradient tensors of any stage)
@@ -97,13 +101,14 @@ class P2PEndpoint:
         return address, self.store.port
 
     def join(self, address: str, port: int, rank: int, world: int, timeout_s: float, capacity: int = CAPACITY,
-             backend: str = "gloo", device: str | None = None, ring: bool = False) -> None:
+             backend: str = "gloo", device: str | None = None, ring: bool = False, nccl_rules: bool = False) -> None:
         """Join the stage actors' groups as ``rank`` (the stage actor's index: its stage, or the first of its model
-        chunks): the gloo group of the headers and, per directed link of neighbours and direction, a data group of the
-        two on ``backend`` (``gloo`` or ``nccl``: a communicator of
-        the two ranks only, created when they first exchange a message); ``device``: where received tensors go
+        chunks): the gloo group of the headers and the data groups (``gloo``: one of every stage actor, a tag per
+        directed link of neighbours and direction; ``nccl``: per directed link, a communicator of the two ranks only,
+        created when they first exchange a message); ``device``: where received tensors go
         (the stage's device by default); ``capacity``: bytes of a pooled buffer at the least; ``ring``: the last
-        rank is the first's neighbour too (virtual stages: ``data_links``)."""
+        rank is the first's neighbour too (virtual stages: ``data_links``); ``nccl_rules``: run NCCL's groups and
+        messages on gloo too (headers apart, a group per link: what ``p2p_nccl`` does, testable on CPU)."""
         self.rank, self.world = rank, world
         self.device = torch.device(device if device is not None else self.ops.stage.device if self.ops else "cpu")
         self.wire = self.device if backend == "nccl" else torch.device("cpu")
@@ -115,7 +120,13 @@ class P2PEndpoint:
         self.local: dict[tuple[int, int], Any] = {}  # (tag, receiving stage) -> a value between chunks of this actor
         if self.backend is not None and self.backend != backend:
             raise RuntimeError(f"stage {rank} joined a {self.backend} group before; a new backend needs a new actor")
-        if self.groups and set(self.groups) == set(data_links(world, ring)):
+        links = data_links(world, ring)
+        rules = nccl_rules or backend == "nccl"
+        known = self.groups if rules == self.nccl_rules else {}  # groups of the other rules: new ones
+        self.nccl_rules = rules
+        # gloo matches by sender and tag: a tag per directed link; NCCL matches in posting order, tags unused
+        self.tags = {link: _DATA_TAG if rules else i for i, link in enumerate(links)}
+        if known and set(known) == set(links):
             return
         timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
@@ -125,9 +136,12 @@ class P2PEndpoint:
             torch.cuda.set_device(self.device.index or 0)
         self.backend = backend
         # every rank creates every group, in one order; ranks outside a group get a placeholder
-        known = self.groups
-        self.groups = {link: known.get(link) or dist.new_group(ranks=sorted(link[:2]), backend=backend, timeout=timeout)
-                       for link in data_links(world, ring)}
+        if not rules:  # gloo: one group of every stage actor for every link (p2p_wire, Note: messages)
+            shared = next(iter(known.values()), None) or dist.new_group(backend="gloo", timeout=timeout)
+            self.groups = dict.fromkeys(links, shared)
+        else:
+            self.groups = {link: known.get(link) or dist.new_group(ranks=sorted(link[:2]), backend=backend,
+                                                                    timeout=timeout) for link in links}
         if self.norms_group is None:
             self.norms_group = dist.new_group(backend="gloo", timeout=timeout)  # global clipping's norms
 
@@ -192,9 +206,10 @@ class P2PEndpoint:
     def _link(self, src: int, dst: int, t: int) -> Link:
         return self.links.setdefault((src, dst, _direction(t)), Link())
 
-    def _group(self, src: int, dst: int, t: int) -> Any:
-        """The data group of the directed link from rank ``src`` to ``dst`` for message ``t``'s direction."""
-        return self.groups[(src, dst, _direction(t))]
+    def _group(self, src: int, dst: int, t: int) -> tuple[Any, int]:
+        """The data group and tag of the directed link from rank ``src`` to ``dst`` for message ``t``'s direction."""
+        link = (src, dst, _direction(t))
+        return self.groups[link], self.tags[link]
 
     def finish_update(self) -> None:
         """Gather every stage's gradient norms and apply the waiting updates: each rank sends ``[count per chunk...,
@@ -223,27 +238,47 @@ class P2PEndpoint:
                 at += count
         self.ops.finish_update(*norms)
 
+    def _folds(self, link: Link) -> bool:
+        """Whether the link's next message carries its header in front of its payload, one data message
+        (p2p_wire, Note: messages): on host buffers (gloo), once its size is known, up to ``FOLD_BYTES``."""
+        return not self.nccl_rules and link.expect is not None and link.expect <= FOLD_BYTES
+
     def send(self, value: Any, peer: int, t: int) -> None:
-        """Send ``value`` to stage ``peer`` as message ``t``: its header, then its payload (waited on later:
-        ``wait_sends``)."""
+        """Send ``value`` to stage ``peer`` as message ``t``: its header and its payload, in one data message or
+        two (waited on later: ``wait_sends``)."""
         header, parts = pack(value)
         size = payload_bytes(parts)
         link = self._link(self.rank, peer, t)
-        first, rest = split_sizes(size, link.expect)
-        if len(parts) == 1 and parts[0].numel() == size == first and parts[0].device.type == self.wire.type:
-            payload = parts[0]  # one tensor of the agreed size, where it travels from: its own bytes, no copy
+        group, tag = self._group(self.rank, peer, t)
+        if self._folds(link):
+            assert link.expect is not None
+            total = HEADER_BYTES + size
+            first, rest = split_sizes(total, HEADER_BYTES + link.expect)
+            message = self.buffers.take(max(total, first))
+            message[:HEADER_BYTES].copy_(header)
+            encode(parts, message[HEADER_BYTES:])
+            self._host_copies_done(parts)
+            works = [(dist.isend(message[:first], peer, group=group, tag=tag), message)]
+            if rest:
+                works.append((dist.isend(message[first:total], peer, group=group, tag=tag), message))
         else:
-            payload = self.buffers.take(max(size, first))
-            encode(parts, payload)
-            if self.wire.type == "cpu" and any(p.is_cuda for p in parts):
-                torch.cuda.current_stream().synchronize()  # gloo reads the host copy as soon as it sends
-        group = self._group(self.rank, peer, t)
-        works = [(dist.isend(header, peer, tag=t), header),
-                 (dist.isend(payload[:first], peer, group=group, tag=_DATA_TAG), payload)]
-        if rest:
-            works.append((dist.isend(payload[first:size], peer, group=group, tag=_DATA_TAG), payload))
+            first, rest = split_sizes(size, link.expect)
+            if len(parts) == 1 and parts[0].nbytes == size == first and parts[0].device.type == self.wire.type:
+                payload = as_bytes(parts[0])  # one tensor of the agreed size, where it travels from: no copy
+            else:
+                payload = self.buffers.take(max(size, first))
+                encode(parts, payload)
+                self._host_copies_done(parts)
+            works = [(dist.isend(header, peer, tag=t), header),
+                     (dist.isend(payload[:first], peer, group=group, tag=tag), payload)]
+            if rest:
+                works.append((dist.isend(payload[first:size], peer, group=group, tag=tag), payload))
         link.expect = size
         self.sends.setdefault((peer, t), []).extend(works)
+
+    def _host_copies_done(self, parts: list[torch.Tensor]) -> None:
+        if self.wire.type == "cpu" and any(p.is_cuda for p in parts):
+            torch.cuda.current_stream().synchronize()  # gloo reads the host copy as soon as it sends
 
     def wait_sends(self, keys: Sequence[tuple[int, int]] | None = None) -> None:
         """Wait on the sends ``keys`` (``(peer, tag)``; all if ``None``) and let go of their buffers."""
@@ -253,16 +288,24 @@ class P2PEndpoint:
 
     def _post(self, peer: int, t: int) -> None:
         """Start receiving message ``t`` from ``peer`` (once): its header, and its payload at the size the link
-        expects when known, so that both can arrive while this stage computes. Call it only once the link's
-        earlier messages are received whole (their second parts too: NCCL matches in posting order)."""
+        expects when known (the two in one data message where the link folds them), so that both can arrive while
+        this stage computes. Call it only once the link's earlier messages are received whole (their second parts
+        too: NCCL matches in posting order)."""
         if (peer, t) in self.posted:
+            return
+        link = self._link(peer, self.rank, t)
+        group, tag = self._group(peer, self.rank, t)
+        if self._folds(link):
+            assert link.expect is not None
+            message = self.buffers.take(HEADER_BYTES + link.expect)
+            work = dist.irecv(message[: HEADER_BYTES + link.expect], peer, group=group, tag=tag)
+            self.posted[(peer, t)] = (None, None, (work, message))
             return
         header = self.headers.take(HEADER_BYTES)[:HEADER_BYTES]
         payload = None
-        expect = self._link(peer, self.rank, t).expect
-        if expect is not None:
-            buffer = self.buffers.take(expect)
-            payload = (dist.irecv(buffer[:expect], peer, group=self._group(peer, self.rank, t), tag=_DATA_TAG), buffer)
+        if link.expect is not None:
+            buffer = self.buffers.take(link.expect)
+            payload = (dist.irecv(buffer[: link.expect], peer, group=group, tag=tag), buffer)
         self.posted[(peer, t)] = (dist.irecv(header, peer, tag=t), header, payload)
 
     def recv(self, peer: int, t: int) -> Any:
@@ -270,24 +313,32 @@ class P2PEndpoint:
         stage's device)."""
         self._post(peer, t)
         work, header, posted = self.posted.pop((peer, t))
-        work.wait()
-        is_tuple, specs, size = read_header(header)
         link = self._link(peer, self.rank, t)
-        group = self._group(peer, self.rank, t)
-        first, rest = split_sizes(size, link.expect)
-        if posted is None:  # the link's first message: its size is known only now
-            buffer = self.buffers.take(size)
-            posted = (dist.irecv(buffer[:size], peer, group=group, tag=_DATA_TAG), buffer)
-        work, buffer = posted
-        work.wait()
-        if rest:  # larger than expected: the rest follows
-            if buffer.numel() < size:
-                larger = self.buffers.take(size)
+        group, tag = self._group(peer, self.rank, t)
+        if work is None:  # folded: the header is the front of the one data message
+            assert link.expect is not None
+            work, buffer = posted
+            work.wait()
+            is_tuple, specs, size, starts = read_header(buffer)
+            start, first = HEADER_BYTES, HEADER_BYTES + link.expect
+        else:
+            work.wait()
+            is_tuple, specs, size, starts = read_header(header)
+            start, first = 0, split_sizes(size, link.expect)[0]
+            if posted is None:  # the link's first message: its size is known only now
+                buffer = self.buffers.take(size)
+                posted = (dist.irecv(buffer[:size], peer, group=group, tag=tag), buffer)
+            work, buffer = posted
+            work.wait()
+        end = start + size
+        if end > first:  # larger than expected: the rest follows
+            if buffer.numel() < end:
+                larger = self.buffers.take(end)
                 larger[:first].copy_(buffer[:first])
                 buffer = larger
-            dist.recv(buffer[first:size], peer, group=group, tag=_DATA_TAG)
+            dist.recv(buffer[first:end], peer, group=group, tag=tag)
         link.expect = size
-        value = views(buffer[:size], is_tuple, specs)
+        value = views(buffer[start:end], is_tuple, specs, starts)
         if self.wire != self.device:  # through host memory: to the stage's GPU, the buffer free once copied
             value = to_device(value, self.device)
             if self.device.type == "cuda":
@@ -305,14 +356,16 @@ class P2PTransport(Transport):
         timeout_s: how long a stage waits for a neighbour's message before the group gives up.
         capacity: bytes of a pooled buffer at the least.
         backend: the data groups' ``gloo`` (``p2p``) or ``nccl`` (``p2p_nccl``).
+        nccl_rules: on gloo, NCCL's groups and messages (``P2PEndpoint.join``).
     """
 
     replaces = "all"  # a failed segment leaves the live stages waiting on their neighbours
     hosts_chunks = True
 
     def __init__(self, chunk: int = 16, timeout_s: float = 1800.0, capacity: int = CAPACITY,
-                 backend: str = "gloo", virtual: int = 1) -> None:
+                 backend: str = "gloo", virtual: int = 1, nccl_rules: bool = False) -> None:
         self.chunk = chunk
+        self.nccl_rules = nccl_rules
         self.virtual = virtual
         self.timeout_s = timeout_s
         self.capacity = capacity
@@ -332,7 +385,7 @@ class P2PTransport(Transport):
         n = len(self.actors)
         address, port = ray.get(self.actors[0].endpoint_call.remote("rendezvous", n, self.timeout_s))
         ray.get([a.endpoint_call.remote("join", address, port, k, n, self.timeout_s, self.capacity, self.backend,
-                                        None, self.virtual > 1)
+                                        None, self.virtual > 1, self.nccl_rules)
                  for k, a in enumerate(self.actors)])
 
     def run(self, schedule: Schedule, s: dict | None, feed: MicrobatchFeed, on_losses: LossSink) -> None:
