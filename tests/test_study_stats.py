@@ -155,3 +155,17 @@ def test_the_final_figures_table_counts_collapsed_runs():
     assert "| m tiny | 61.3 ± 44.5 | 61.3 ± 44.5† |" in "\n".join(row) and row[-1].startswith("† averages runs that collapsed")
     unknown = {(c["label"], c["stages"]): c for c in cells(st, recs)}["async", 4]  # chance unknown
     assert unknown["collapsed"] == 0 and "collapsed" not in _entry(unknown, "val_accuracy", 100.0)
+
+
+def test_the_selection_rules_pick_the_cheapest_setting_near_the_best_or_past_a_floor():
+    from benchmarks.studies.select import choose
+
+    def rows(value, scores, cpu, status="ok"):
+        return [{"value": value, "score": s, "cpu_seconds": cpu, "status": status} for s in scores]
+
+    probes = (rows("w8", [0.905, 0.911], 41) + rows("w12", [0.909, 0.913], 50) + rows("w16", [0.910, 0.914], 80)
+              + rows("w24", [0.95, 0.1], 90, status="diverged"))
+    assert choose(probes, "budget") == "w8"  # within 0.5 point of the best (w16's 91.2 %), and the cheapest
+    assert choose(probes, "budget", min_score=0.91) == "w12"  # w8's mean, 90.8 %, is under the floor
+    assert choose(probes, "budget", min_score=0.92) is None  # none reaches it; the diverged setting never counts
+    assert choose(rows("lr=0.1", [0.9], 1) + rows("lr=0.05", [0.905], 1), "rate") == "lr=0.1"  # the largest rate

@@ -20,6 +20,9 @@ choice its rule makes over these rows and those of earlier calls of the same ste
   is shared, so wall time says little) whose mean score is within 0.5 points of the best mean, with no diverged
   seed; the time budget of the full protocol (about 40 s per run at N=4) decides between settings that score
   alike. A grid holds only values whose runs fit that budget (wider models were timed first, not probed).
+- with ``--min-score F`` (a step after the test split showed a floor missed): the cheapest value whose mean score
+  reaches ``F``, no diverged seed; ``F`` is the floor plus the gap measured between the selection and test
+  splits, fixed before the step's probes run.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ TOLERANCE = {"rate": 0.01}
 """The accuracy (fraction) below the best mean that a step's rule still accepts; 0.005 for steps not listed."""
 
 
-def choose(rows: list[dict[str, Any]], step: str) -> str | None:
-    """The grid value the step's rule picks (see the module docstring), from rows of every seed."""
+def choose(rows: list[dict[str, Any]], step: str, min_score: float | None = None) -> str | None:
+    """The grid value the step's rule picks (see the module docstring), from rows of every seed; with ``min_score``
+    (a fraction), the cheapest value whose mean score reaches it (None if none does)."""
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by.setdefault(r["value"], []).append(r)
@@ -55,6 +59,10 @@ def choose(rows: list[dict[str, Any]], step: str) -> str | None:
         return None
     best = max(means.values())
     near = [v for v, m in means.items() if m >= best - TOLERANCE.get(step, 0.005)]
+    if min_score is not None:
+        near = [v for v, m in means.items() if m >= min_score]
+        if not near:
+            return None
     if step == "rate":
         return max(near, key=lambda v: float(v.rsplit("=", 1)[-1]))
     return min(near, key=lambda v: statistics.fmean(r["cpu_seconds"] for r in by[v]))
@@ -106,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "'A=1 B=2|A=3 B=4'")
     ap.add_argument("--set", nargs="*", default=[], help="overrides of every probe (earlier steps' choices)")
     ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--min-score", type=float, default=None, help="the rule instead: the cheapest value whose mean "
+                    "selection score reaches this fraction (a floor the test split must meet, plus the gap measured "
+                    "between the two splits)")
     ap.add_argument("--results", default="study_select", help="results file name in benchmarks/results")
     ap.add_argument("--out", default="outputs/study_select", help="where the probes' run directories go")
     ap.add_argument("--test", action="store_true", help="no probe: the study's own sequential baseline on the test "
@@ -117,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     t0 = time.perf_counter()
     rows = [probe(args.study, setting, list(args.set), s, Path(args.out)) for setting in settings for s in seeds]
-    chosen = choose(rows, args.step)
+    chosen = choose(rows, args.step, args.min_score)
     print(f"{args.study} {args.step}: {chosen} ({time.perf_counter() - t0:.0f} s)", flush=True)
     path = results_dir(False) / f"{args.results}.json"
     fresh = json.loads(path.read_text()) if path.exists() else {}  # read again last: another process may write too
@@ -125,8 +136,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     steps = studies.setdefault(args.study, {}).setdefault("steps", [])
     # rows of earlier calls of the same step with the same settings count too (a grid extended, or run in parts)
     earlier = [r for st in steps if st["step"] == args.step and st["set"] == args.set for r in st["rows"]]
-    chosen = choose(earlier + rows, args.step)
+    chosen = choose(earlier + rows, args.step, args.min_score)
     steps.append({"step": args.step, "grid": settings, "set": args.set, "seeds": seeds, "rows": rows,
+                  **({"min_score": args.min_score} if args.min_score is not None else {}),
                   "chosen": chosen, **({"with_earlier_rows": len(earlier)} if earlier else {})})
     print(f"{args.study} {args.step}: {chosen} with the earlier calls' rows", flush=True)
     write(args.results, {**{k: v for k, v in fresh.items() if k not in ("benchmark", "machine", "date", "commit")},
