@@ -119,11 +119,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "between the two splits)")
     ap.add_argument("--results", default="study_select", help="results file name in benchmarks/results")
     ap.add_argument("--out", default="outputs/study_select", help="where the probes' run directories go")
-    ap.add_argument("--test", action="store_true", help="no probe: the study's own sequential baseline on the test "
-                    "split, once per seed (after every choice); the rows go under the study's sequential_test")
+    ap.add_argument("--test", action="store_true", help="no probe: the study's own sequential baseline (with --set: "
+                    "a candidate's) on the test split, once per seed, after every choice; the rows go under the "
+                    "study's sequential_test (a candidate's: sequential_test <its overrides>)")
     args = ap.parse_args(argv)
     if args.test:
-        return final(args.study, [int(s) for s in args.seeds.split(",")], args.results, Path(args.out))
+        return final(args.study, [int(s) for s in args.seeds.split(",")], args.results, Path(args.out), list(args.set))
     settings = grid_values(args.grid)
     seeds = [int(s) for s in args.seeds.split(",")]
     t0 = time.perf_counter()
@@ -148,20 +149,23 @@ def main(argv: Sequence[str] | None = None) -> None:
                          "score": "mean of the last 3 evaluations on the selection split", "studies": studies})
 
 
-def final(study_name: str, seeds: list[int], results: str, out: Path) -> None:
-    """The study's sequential baseline on the test split, per seed: mean ± std of the score against the floor."""
-    rows = [probe(study_name, [], [], seed, out, split="test") for seed in seeds]
+def final(study_name: str, seeds: list[int], results: str, out: Path, fixed: list[str] | None = None) -> None:
+    """The study's sequential baseline on the test split, per seed: mean ± std of the score against the floor;
+    ``fixed``: a candidate's overrides of the study's settings (kept apart, under ``sequential_test <fixed>``)."""
+    fixed = fixed or []
+    key = " ".join(["sequential_test", *fixed])
+    rows = [probe(study_name, [], fixed, seed, out, split="test") for seed in seeds]
     path = results_dir(False) / f"{results}.json"
     fresh = json.loads(path.read_text()) if path.exists() else {}  # other seeds may come from another process
     studies = fresh.get("studies", {})
-    earlier = studies.get(study_name, {}).get("sequential_test", {}).get("rows", [])
+    earlier = studies.get(study_name, {}).get(key, {}).get("rows", [])
     rows = sorted([r for r in earlier if r["seed"] not in seeds] + rows, key=lambda r: r["seed"])
     scores = [r["score"] for r in rows if r["score"] is not None]
     summary = {"rows": rows, "mean": statistics.fmean(scores) if scores else None,
                "std": statistics.stdev(scores) if len(scores) > 1 else None}
-    print(f"{study_name} sequential on the test split, seeds {[r['seed'] for r in rows]}: {summary['mean']} ± "
-          f"{summary['std']}", flush=True)
-    studies.setdefault(study_name, {})["sequential_test"] = summary
+    print(f"{study_name} sequential {' '.join(fixed)} on the test split, seeds {[r['seed'] for r in rows]}: "
+          f"{summary['mean']} ± {summary['std']}", flush=True)
+    studies.setdefault(study_name, {})[key] = summary
     write(results, {**{k: v for k, v in fresh.items() if k not in ("benchmark", "machine", "date", "commit")},
                     "studies": studies})
 
