@@ -330,11 +330,12 @@ def test_the_protocol_keeps_to_nccls_rules(monkeypatch, fold_bytes, nccl_rules):
     """Activations of changing sizes one way and gradients the other, with receives posted ahead: every data message
     is received at exactly its size, in posting order, one direction per group (what NCCL needs), and arrives whole;
     with the header in front of the payload, apart from it, and switching between the two as the size changes."""
-    from rayspec.exec.ray import p2p
+    from rayspec.exec.ray import p2p, p2p_messages
 
     world = _NcclLike()
-    monkeypatch.setattr(p2p, "dist", world)
-    monkeypatch.setattr(p2p, "FOLD_BYTES", fold_bytes)
+    for module in (p2p, p2p_messages):
+        monkeypatch.setattr(module, "dist", world)
+    monkeypatch.setattr(p2p_messages, "FOLD_BYTES", fold_bytes)
     a, b = p2p.P2PEndpoint(None), p2p.P2PEndpoint(None)
     for rank, end in enumerate((a, b)):
         end.groups = {(0, 1, "F"): "F", (1, 0, "B"): "B"}  # joined already: one group per directed link and direction
