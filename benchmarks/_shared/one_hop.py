@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ray_hop_s", "p2p_hop_s", "compiled_hop_s"]
+__all__ = ["ray_hop_s", "p2p_hop_s", "compiled_hop_s", "gloo_pingpong_s"]
 
 
 def ray_hop_s(transport: str, shape: tuple[int, ...], count: int = 50) -> float:
@@ -74,7 +74,6 @@ def p2p_hop_s(shape: tuple[int, ...], count: int = 50, plain: bool = False) -> f
     gloo ``send``/``recv`` of one buffer between the same two actors instead (what the message adds is the
     difference, Ray's processes and their priority left out)."""
     import ray
-    import torch.distributed as dist
 
     from rayspec.exec.ray.p2p import P2PEndpoint
 
@@ -94,14 +93,7 @@ def p2p_hop_s(shape: tuple[int, ...], count: int = 50, plain: bool = False) -> f
             x = torch.randn(shape)
             t0 = time.perf_counter()
             if plain:  # as benchmarks._shared.torch_peer times torch's hop
-                for _ in range(n):
-                    if rank == 0:
-                        dist.send(x, 1)
-                        dist.recv(x, 1)
-                    else:
-                        dist.recv(x, 0)
-                        dist.send(x, 0)
-                return time.perf_counter() - t0
+                return gloo_pingpong_s(x, rank, n)
             for i in range(n):
                 if rank == 0:
                     self.p2p.send(x, 1, 2 * i)
@@ -124,6 +116,22 @@ def p2p_hop_s(shape: tuple[int, ...], count: int = 50, plain: bool = False) -> f
     finally:
         for a in actors:
             ray.kill(a)
+
+
+def gloo_pingpong_s(buf: torch.Tensor, rank: int, count: int) -> float:
+    """Seconds of ``count`` round trips of ``buf`` between ranks 0 and 1 of the default process group, torch's
+    blocking gloo ``send``/``recv`` (the caller's clock; a one-way hop is a ``2 * count``-th of it)."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    for _ in range(count):
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+    return time.perf_counter() - t0
 
 
 def compiled_hop_s(actors: Sequence[Any], shape: tuple[int, ...], count: int, repeats: int = 10) -> float:

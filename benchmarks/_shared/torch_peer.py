@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks._shared.one_hop import gloo_pingpong_s
 from benchmarks._shared.peer_setup import CHUNKS_PER_RANK, NOT_ON_RAY, TORCH_SCHEDULES, PeerConfig, make_batches
 from benchmarks._shared.processes import free_port, self_cpu_s
 
@@ -92,16 +93,7 @@ def _torch_worker(rank: int, port: int, part: nn.Module, cfg: PeerConfig, comman
                 shape, count = cmd[1], cmd[2]
                 buf = torch.randn(shape)
                 dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(count):
-                    if rank == 0:
-                        dist.send(buf, 1)
-                        dist.recv(buf, 1)
-                    else:
-                        dist.recv(buf, 0)
-                        dist.send(buf, 0)
-                elapsed = time.perf_counter() - t0
-                results.put((rank, "pingpong", elapsed / (2 * count)))
+                results.put((rank, "pingpong", gloo_pingpong_s(buf, rank, count) / (2 * count)))
     finally:
         dist.destroy_process_group()
 

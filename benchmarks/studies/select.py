@@ -57,12 +57,10 @@ def choose(rows: list[dict[str, Any]], step: str, min_score: float | None = None
              if all(r["status"] == "ok" and r["score"] is not None for r in rs)}
     if not means:
         return None
-    best = max(means.values())
-    near = [v for v, m in means.items() if m >= best - TOLERANCE.get(step, 0.005)]
-    if min_score is not None:
-        near = [v for v, m in means.items() if m >= min_score]
-        if not near:
-            return None
+    floor = max(means.values()) - TOLERANCE.get(step, 0.005) if min_score is None else min_score
+    near = [v for v, m in means.items() if m >= floor]
+    if not near:
+        return None
     if step == "rate":
         return max(near, key=lambda v: float(v.rsplit("=", 1)[-1]))
     return min(near, key=lambda v: statistics.fmean(r["cpu_seconds"] for r in by[v]))
@@ -149,12 +147,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                          "score": "mean of the last 3 evaluations on the selection split", "studies": studies})
 
 
-def final(study_name: str, seeds: list[int], results: str, out: Path, fixed: list[str] | None = None) -> None:
+def final(study_name: str, seeds: list[int], results: str, out: Path, fixed: Sequence[str] = ()) -> None:
     """The study's sequential baseline on the test split, per seed: mean ± std of the score against the floor;
     ``fixed``: a candidate's overrides of the study's settings (kept apart, under ``sequential_test <fixed>``)."""
-    fixed = fixed or []
     key = " ".join(["sequential_test", *fixed])
-    rows = [probe(study_name, [], fixed, seed, out, split="test") for seed in seeds]
+    rows = [probe(study_name, [], list(fixed), seed, out, split="test") for seed in seeds]
     path = results_dir(False) / f"{results}.json"
     fresh = json.loads(path.read_text()) if path.exists() else {}  # other seeds may come from another process
     studies = fresh.get("studies", {})

@@ -93,7 +93,7 @@ class P2PEndpoint(Messages):
         self.wire = self.device if backend == "nccl" else torch.device("cpu")
         self.buffers = Buffers(capacity, self.wire, pin=self.wire.type == "cpu" and self.device.type == "cuda")
         self.headers = Buffers(HEADER_BYTES)
-        self.sends, self.posted, self.links = {}, {}, {}  # what Messages keeps per connection, afresh
+        self.forget()
         self.local: dict[tuple[int, int], Any] = {}  # (tag, receiving stage) -> a value between chunks of this actor
         if self.backend is not None and self.backend != backend:
             raise RuntimeError(f"stage {rank} joined a {self.backend} group before; a new backend needs a new actor")

@@ -48,6 +48,10 @@ class Messages:
         self.groups: dict[tuple[int, int, str], Any] = {}  # (sender, receiver, direction) -> data group
         self.tags: dict[tuple[int, int, str], int] = {}  # the same -> the tag of its data messages
         self.nccl_rules = False  # NCCL's groups and messages (p2p_wire, Note: messages), on gloo too if asked
+        self.forget()
+
+    def forget(self) -> None:
+        """Start afresh: no send in flight, no receive posted, no size known on any link (a new connection)."""
         self.sends: dict[tuple[int, int], list] = {}  # (peer, tag) -> [(work, tensor)] of sends not waited on
         self.posted: dict[tuple[int, int], tuple] = {}  # receives started ahead
         self.links: dict[tuple[int, int, str], Link] = {}  # (sender, receiver, direction) -> what both ends expect
