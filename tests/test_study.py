@@ -248,3 +248,42 @@ def test_lr_sweep_false_on_the_command_line_drops_the_files_sweep(tmp_path):
 def test_bad_rate_sweeps_stop_before_training(tmp_path, sweep, message):
     with pytest.raises(StudyError, match=message):
         load_study(str(write_study(tmp_path / "bad.yaml", lr_sweep=sweep)))
+
+
+def test_checked_methods_train_at_the_check_seeds_and_are_compared_bit_for_bit(tmp_path, capsys):
+    """checks: 1f1b and zb1p compute gpipe's updates, so they train at seed 0 only and the report checks that their
+    runs are gpipe's; a checked method that is not the same (spectrain against async) fails the check and the
+    command's exit code."""
+    out = str(tmp_path / "out")
+    checks = {"methods": ["1f1b", "zb1p"], "same_as": "gpipe", "seeds": [0]}
+    path = write_study(tmp_path / "checks.yaml", seeds=[0, 1], stages=[2], methods=["gpipe", "async"], checks=checks)
+    study = load_study(str(path), output_dir=out)
+    names = [r.name for r in plan_runs(study)]
+    assert len(names) == 2 + 2 * 2 + 2 and "zb1p-n2-seed0" in names and "zb1p-n2-seed1" not in names
+    payload = run_study(study)
+    assert [(r["method"], r["stages"], r["seed"], r["identical"]) for r in payload["checks"]] == [
+        ("1f1b", 2, 0, True), ("zb1p", 2, 0, True)]
+    assert "Checked: `1f1b` and `zb1p` trained at seed 0 only, and their runs are `gpipe`'s" in payload["markdown"]
+    assert "| `1f1b`" not in payload["markdown"]  # gpipe's row stands for them
+    wrong = {"methods": ["spectrain-paper"], "same_as": "async", "seeds": [0]}
+    write_study(path, seeds=[0, 1], stages=[2], methods=["gpipe", "async"], checks=wrong)
+    assert main([f"study={path}", f"output_dir={out}"]) == 1  # the other runs resume; spectrain trains
+    err = capsys.readouterr().err
+    assert "check failed, not the same runs as async: spectrain-paper N=2 seed 0" in err
+    report = (tmp_path / "out" / "study.md").read_text()
+    assert "**Check failed**: `spectrain-paper` at N=2, seed 0 is not `async`'s run" in report
+    assert main([f"study={path}", f"output_dir={out}", "checks=false"]) == 0
+
+
+@pytest.mark.parametrize("checks, message", [
+    ({"methods": ["1f1b"], "seeds": [0]}, "must name methods, same_as, seeds"),
+    ({"methods": ["async"], "same_as": "gpipe", "seeds": [0]}, "must not be"),
+    ({"methods": ["1f1b"], "same_as": "zb1p", "seeds": [0]}, "must be one of methods"),
+    ({"methods": ["1f1b"], "same_as": "gpipe", "seeds": [3]}, "among seeds"),
+])
+def test_bad_checks_stop_before_training(tmp_path, checks, message):
+    with pytest.raises(StudyError, match=message):
+        load_study(str(write_study(tmp_path / "bad.yaml", methods=["gpipe", "async"], checks=checks)))
+    with pytest.raises(ConfigError, match="nosuch"):
+        load_study(str(write_study(tmp_path / "bad.yaml", methods=["gpipe"],
+                                   checks={"methods": ["nosuch"], "same_as": "gpipe", "seeds": [0]})))

@@ -102,7 +102,7 @@ def run_study(study: Study, resume: bool = True) -> dict[str, Any]:
 # --------------------------------------------------------------------------- command line
 
 USAGE = """usage: rayspec study study=NAME [methods=[async,spectrain-paper]] [stages=[2,4]] [seeds=[0,1,2]]
-                     [executor=local|ray] [output_dir=DIR] [resume=false] [lr_sweep=false]
+                     [executor=local|ray] [output_dir=DIR] [resume=false] [lr_sweep=false] [checks=false]
                      [runner=sequential|tune] [max_concurrent_trials=N|null] [training overrides]
        (python -m rayspec.study takes the same arguments; values are read as Hydra overrides)"""
 
@@ -130,7 +130,8 @@ def runner_options(options: dict[str, Any]) -> tuple[str, int | None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``python -m rayspec.study``; returns the exit code (2: bad input, 1: a run failed other than diverging)."""
+    """Run ``python -m rayspec.study``; returns the exit code (2: bad input, 1: a run failed other than diverging,
+    or a checked method's run differed from its ``same_as``'s)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in args):
         print(f"{USAGE}\nmethods: {', '.join(METHOD_LABELS)}\navailable studies: {', '.join(available()) or 'none'}")
@@ -157,4 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failed:
         print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}; see their train.log under "
               f"{study.directory / 'runs'}", file=sys.stderr)
-    return 1 if failed else 0
+    broken = [f"{r['method']} N={r['stages']} seed {r['seed']}" for r in payload.get("checks", []) if r["identical"] is False]
+    if broken:
+        print(f"error: check failed, not the same runs as {payload['checks'][0]['same_as']}: {', '.join(broken)} "
+              "(study.md says so)", file=sys.stderr)
+    return 1 if failed or broken else 0

@@ -52,9 +52,10 @@ the registry ``rayspec.core.methods.METHODS`` with a variant, predictor or backw
 DEFAULT_METHODS = ["async", "pipedream", "spectrain-paper", "spectrain-consistent", "gpipe"]
 BASELINE = "sequential"
 """The label of the baseline runs: ``vanilla``, which is sequential training (the run's optimizer)."""
-FILE_KEYS = ("name", "description", "overrides", "methods", "stages", "seeds", "output_dir", "threads", "lr_sweep")
+FILE_KEYS = ("name", "description", "overrides", "methods", "stages", "seeds", "output_dir", "threads", "lr_sweep",
+             "checks")
 CLI_KEYS = ("study", "output_dir", "resume", "methods", "stages", "seeds", "executor", "threads", "runner",
-            "max_concurrent_trials", "lr_sweep")
+            "max_concurrent_trials", "lr_sweep", "checks")
 RUNNERS = ("sequential", "tune")
 """How a study's runs are trained: one after another in this process, or as Ray Tune trials (``runner=``)."""
 RUN_FILE = "run.json"
@@ -64,6 +65,9 @@ OWNED = ("pipeline.method", "pipeline.variant", "pipeline.predictor", "pipeline.
          "pipeline.virtual_stages", "seed")
 SWEEP_KEYS = ("stages", "seeds", "factors")
 """``lr_sweep``: the stage count, the seeds and the multiples of the study's ``optim.lr`` every method trains at."""
+CHECK_KEYS = ("methods", "same_as", "seeds")
+"""``checks``: methods that compute the updates of the study's method ``same_as`` by construction, trained at these
+seeds only (every stage count) and compared with it bit for bit, instead of at every seed and rate."""
 
 
 class StudyError(RayspecError):
@@ -90,6 +94,9 @@ class Study:
     lr_sweep: dict[str, Any] | None = None
     """Accuracy against the learning rate: ``{stages: N, seeds: [...], factors: [...]}``; every method and the
     baseline train at each multiple of ``optim.lr`` at N stages and those seeds (factor 1 is the study's own run)."""
+    checks: dict[str, Any] | None = None
+    """``{methods: [...], same_as: LABEL, seeds: [...]}``: each of ``methods`` trains at every stage count and these
+    seeds only, and the report checks that its runs equal ``same_as``'s to the last bit (``CHECK_KEYS``)."""
     per_stage_baseline: bool = False
     """Set when the model has active dropout (see the module's note); then one baseline per stage count."""
     base: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -179,10 +186,11 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
         stages=_list(name, "stages", raw.get("stages", [2, 4]), int),
         seeds=_list(name, "seeds", raw.get("seeds", [0, 1, 2]), int),
         output_dir=str(raw.get("output_dir") or ""), description=str(raw.get("description") or "").strip(),
-        threads=raw.get("threads", 1), lr_sweep=raw.get("lr_sweep") or None,
+        threads=raw.get("threads", 1), lr_sweep=raw.get("lr_sweep") or None, checks=raw.get("checks") or None,
     )
     _check(study)
     _check_sweep(study)
+    _check_checks(study)
     return study
 
 
@@ -254,6 +262,31 @@ def _check_sweep(study: Study) -> None:
         raise StudyError(f"{where}: factors={factors} must be positive multiples of optim.lr and include 1")
 
 
+def _check_checks(study: Study) -> None:
+    """Check ``checks``: its keys, method labels outside ``methods``, a ``same_as`` among them, seeds of the study's."""
+    checks = study.checks
+    if checks is None:
+        return
+    where = f"{study.name}: checks"
+    if not isinstance(checks, dict) or set(checks) != set(CHECK_KEYS):
+        raise StudyError(f"{where}={checks!r} must name {', '.join(CHECK_KEYS)}, e.g. checks: {{methods: [1f1b, zb1p], "
+                         "same_as: gpipe, seeds: [0]}")
+    labels, seeds = _list(where, "methods", checks["methods"], str), _list(where, "seeds", checks["seeds"], int)
+    for label in labels:
+        if label not in METHOD_LABELS:
+            raise unknown("method", label, METHOD_LABELS, f" in {where}")
+    if checks["same_as"] not in study.methods or set(labels) & set(study.methods) or not set(seeds) <= set(study.seeds):
+        raise StudyError(f"{where}: same_as={checks['same_as']!r} must be one of methods={study.methods}, methods="
+                         f"{labels} must not be (a method is trained at every seed or checked, not both) and seeds="
+                         f"{seeds} must be among seeds={study.seeds}; or drop the checks with checks=false")
+    try:
+        for label in labels:
+            for n in study.stages:
+                run_config(study, RunSpec(label, n, seeds[0], None))
+    except (ConfigError, ValueError) as err:
+        raise StudyError(f"{where}: {err}") from err
+
+
 def sweep_rates(study: Study) -> list[float | None]:
     """The learning rates of the rate sweep, None standing for the study's own (factor 1); [] without a sweep."""
     if study.lr_sweep is None:
@@ -310,12 +343,16 @@ def run_spec(study: Study, label: str, stages: int, seed: int, lr: float | None 
 
 
 def plan_runs(study: Study) -> list[RunSpec]:
-    """Every run of the study in order: per seed the baseline(s), then each stage count's methods; then the rate
-    sweep's runs other than the study's own rate, per rate and seed the baseline(s) first."""
+    """Every run of the study in order: per seed the baseline(s), then each stage count's methods (and checked
+    methods at the check seeds); then the rate sweep's runs other than the study's own rate, per rate and seed the
+    baseline(s) first."""
     runs: list[RunSpec] = []
+    checks = study.checks or {"methods": [], "seeds": []}
     for seed in study.seeds:
         runs += [run_spec(study, BASELINE, n, seed) for n in baseline_stages(study)]
         runs += [run_spec(study, label, n, seed) for n in study.stages for label in study.methods]
+        if seed in checks["seeds"]:
+            runs += [run_spec(study, label, n, seed) for n in study.stages for label in checks["methods"]]
     sweep = study.lr_sweep or {}
     for lr in (r for r in sweep_rates(study) if r is not None):
         for seed in sweep["seeds"]:

@@ -12,7 +12,15 @@ from typing import Any
 
 from rayspec.cli.study_config import BASELINE, RunSpec, Study, predicts, run_name, study_settings
 from rayspec.cli.study_stats import collapsed
-from rayspec.cli.study_tables import plot_bands, plot_sweep, protocol_cells, protocol_lines, sweep_lines, sweep_rows
+from rayspec.cli.study_tables import (
+    check_rows,
+    plot_bands,
+    plot_sweep,
+    protocol_cells,
+    protocol_lines,
+    sweep_lines,
+    sweep_rows,
+)
 from rayspec.config import from_mapping
 from rayspec.config.compose import compose
 from rayspec.training.prepare import run_data
@@ -344,7 +352,7 @@ def write_report(study: Study, runs: Sequence[RunSpec], records: Mapping[str, di
     payload = {
         "study": study.name, "settings": settings, "baseline": _baseline_note(study), "table": table,
         "chance": chance, "protocol": list(protocol_cells(study, records, chance).values()), "lr_sweep": sweep,
-        "runs": [{"name": spec.name, **records[spec.name]} for spec in runs if spec.name in records],
+        "checks": check_rows(study, records), "runs": [{"name": spec.name, **records[spec.name]} for spec in runs if spec.name in records],
         "markdown": text,
     }
     tmp = directory / "study_results.json.tmp"

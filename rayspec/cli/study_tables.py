@@ -15,8 +15,8 @@ from typing import Any
 from rayspec.cli.study_config import BASELINE, Study, run_name, sweep_rates
 from rayspec.cli.study_stats import COLLAPSE_MARGIN, LAST_EVALUATIONS, collapsed, interval, paired, score, updates_to
 
-__all__ = ["TARGET", "NOISE_FLOOR", "protocol_cells", "identical_groups", "protocol_lines", "sweep_rows", "sweep_lines",
-           "plot_sweep", "plot_bands"]
+__all__ = ["TARGET", "NOISE_FLOOR", "protocol_cells", "identical_groups", "check_rows", "protocol_lines", "sweep_rows",
+           "sweep_lines", "plot_sweep", "plot_bands"]
 
 TARGET = 0.95
 """Updates-to-target: the first evaluation at which a run reaches this share of the sequential mean score."""
@@ -85,6 +85,46 @@ def _same(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> bool:
         and x["curves"]["val"] == y["curves"]["val"] for x, y in zip(a, b))
 
 
+def check_rows(study: Study, records: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The study's ``checks``, one row per checked method, stage count and seed: ``identical`` is True where its run
+    equals ``same_as``'s run of that seed to the last bit (``_same``), False where it differs, None where either run
+    is missing or failed."""
+    checks = study.checks
+    if not checks:
+        return []
+    rows = []
+    for label in checks["methods"]:
+        for n in study.stages:
+            for seed in checks["seeds"]:
+                mine, theirs = (records.get(run_name(x, n, seed)) for x in (label, checks["same_as"]))
+                ran = mine is not None and theirs is not None and "failed" not in (mine["status"], theirs["status"])
+                rows.append({"method": label, "same_as": checks["same_as"], "stages": n, "seed": seed,
+                             "identical": _same([mine], [theirs]) if ran else None})  # type: ignore[list-item]
+    return rows
+
+
+def _check_line(study: Study, rows: Sequence[dict[str, Any]], n: int) -> list[str]:
+    """The protocol's sentence on the checks at ``n`` stages (none without checks)."""
+    mine = [r for r in rows if r["stages"] == n]
+    if not mine:
+        return []
+    same, seeds = mine[0]["same_as"], ", ".join(str(s) for s in study.checks["seeds"]) if study.checks else ""
+    passed = sorted({r["method"] for r in mine} - {r["method"] for r in mine if r["identical"] is not True})
+    failed = [r for r in mine if r["identical"] is False]
+    open_ = [r for r in mine if r["identical"] is None]
+    lines = [""]
+    if passed:
+        names = " and ".join(f"`{m}`" for m in passed)
+        lines.append(f"Checked: {names} trained at seed {seeds} only, and their runs are `{same}`'s to the last bit "
+                     f"at N={n} (the same updates by construction), so `{same}`'s row stands for them.")
+    for r in failed:
+        lines.append(f"**Check failed**: `{r['method']}` at N={n}, seed {r['seed']} is not `{same}`'s run; train it "
+                     "at every seed (add it to methods) before reading its row from this table.")
+    for r in open_:
+        lines.append(f"Not checked: `{r['method']}` at N={n}, seed {r['seed']} (a run missing or failed).")
+    return lines
+
+
 def _pct(value: float | None, std: float | None = None) -> str:
     if value is None:
         return "–"
@@ -108,6 +148,7 @@ def _reach(cell: Mapping[str, Any]) -> str:
 def protocol_lines(study: Study, records: Mapping[str, dict[str, Any]], chance: float | None = None) -> list[str]:
     """The protocol's table per stage count, in markdown (``chance``: ``protocol_cells``)."""
     cells = protocol_cells(study, records, chance)
+    checks = check_rows(study, records)
     fell = "" if chance is None else (
         f"; collapsed: runs whose score ended within {100 * COLLAPSE_MARGIN:.0f} point of always predicting the "
         f"evaluation split's most frequent class ({100 * chance:.1f} %), counted and never averaged")
@@ -133,6 +174,7 @@ def protocol_lines(study: Study, records: Mapping[str, dict[str, Any]], chance: 
         if merged:
             lines += ["", "Merged: " + "; ".join(" = ".join(g) for g in merged) + f" at N={n}: their runs are "
                       "identical on every seed (the same updates by construction), so they are one row."]
+        lines += _check_line(study, checks, n)
         lines.append("")
     return lines
 
