@@ -115,11 +115,12 @@ def _check_line(study: Study, rows: Sequence[dict[str, Any]], n: int) -> list[st
     lines = [""]
     if passed:
         names = " and ".join(f"`{m}`" for m in passed)
-        lines.append(f"Checked: {names} trained at seed {seeds} only, and their runs are `{same}`'s to the last bit "
+        word = "seeds" if study.checks and len(study.checks["seeds"]) > 1 else "seed"
+        lines.append(f"Checked: {names} trained at {word} {seeds} only, and their runs are `{same}`'s to the last bit "
                      f"at N={n} (the same updates by construction), so `{same}`'s row stands for them.")
     for r in failed:
-        lines.append(f"**Check failed**: `{r['method']}` at N={n}, seed {r['seed']} is not `{same}`'s run; train it "
-                     "at every seed (add it to methods) before reading its row from this table.")
+        lines.append(f"**Check failed**: `{r['method']}` at N={n}, seed {r['seed']} is not `{same}`'s run, so "
+                     f"`{same}`'s row does not stand for it: train it at every seed (add it to methods).")
     for r in open_:
         lines.append(f"Not checked: `{r['method']}` at N={n}, seed {r['seed']} (a run missing or failed).")
     return lines
