@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failed:
         print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}; see their train.log under "
               f"{study.directory / 'runs'}", file=sys.stderr)
-    broken = [f"{r['method']} N={r['stages']} seed {r['seed']}" for r in payload.get("checks", []) if r["identical"] is False]
+    broken = [f"{r['method']} N={r['stages']} seed {r['seed']}" for r in payload["checks"] if r["identical"] is False]
     if broken:
         print(f"error: check failed, not the same runs as {payload['checks'][0]['same_as']}: {', '.join(broken)} "
               "(study.md says so)", file=sys.stderr)

@@ -188,9 +188,9 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
         output_dir=str(raw.get("output_dir") or ""), description=str(raw.get("description") or "").strip(),
         threads=raw.get("threads", 1), lr_sweep=raw.get("lr_sweep") or None, checks=raw.get("checks") or None,
     )
+    _check_checks(study)
     _check(study)
     _check_sweep(study)
-    _check_checks(study)
     return study
 
 
@@ -211,7 +211,7 @@ def _check(study: Study) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     where = study.name
-    for label in study.methods:
+    for label in [*study.methods, *checked(study)]:
         if label not in METHOD_LABELS:
             raise unknown("method", label, METHOD_LABELS, f" in study {where}")
     if study.threads is not None and (not isinstance(study.threads, int) or study.threads < 1):
@@ -231,7 +231,7 @@ def _check(study: Study) -> None:
             raise StudyError(f"{where}: train.eval_every={t.eval_every} gives no evaluations before the end of "
                              f"train.max_steps={t.max_steps}; the weight distance is measured at evaluations, so set "
                              f"e.g. train.eval_every={max(1, t.max_steps // 16)} (about 16 evaluations)")
-        for label in [BASELINE, *study.methods]:
+        for label in [BASELINE, *study.methods, *checked(study)]:
             for n in sorted({1, *study.stages}) if label == BASELINE else study.stages:
                 run_config(study, RunSpec(label, n, study.seeds[0], None))
         # the partition of the most stages (fewer stages cut the same blocks coarser) and the model's dropout
@@ -251,9 +251,7 @@ def _check_sweep(study: Study) -> None:
     if sweep is None:
         return
     where = f"{study.name}: lr_sweep"
-    if not isinstance(sweep, dict) or set(sweep) != set(SWEEP_KEYS):
-        raise StudyError(f"{where}={sweep!r} must name {', '.join(SWEEP_KEYS)}, e.g. lr_sweep: {{stages: 4, seeds: "
-                         f"[0, 1], factors: [0.333, 0.577, 1, 1.732, 3]}}")
+    _keyed(sweep, SWEEP_KEYS, where, "lr_sweep: {stages: 4, seeds: [0, 1], factors: [0.333, 0.577, 1, 1.732, 3]}")
     seeds, factors = _list(where, "seeds", sweep["seeds"], int), _list(where, "factors", sweep["factors"], (int, float))
     if sweep["stages"] not in study.stages or not set(seeds) <= set(study.seeds):
         raise StudyError(f"{where}: stages={sweep['stages']!r} must be one of stages={study.stages} and seeds="
@@ -262,29 +260,30 @@ def _check_sweep(study: Study) -> None:
         raise StudyError(f"{where}: factors={factors} must be positive multiples of optim.lr and include 1")
 
 
+def _keyed(value: Any, keys: Sequence[str], where: str, example: str) -> None:
+    """Check that a study setting ``value`` is a mapping of exactly ``keys``."""
+    if not isinstance(value, dict) or set(value) != set(keys):
+        raise StudyError(f"{where}={value!r} must name {', '.join(keys)}, e.g. {example}")
+
+
+def checked(study: Study) -> list[str]:
+    """The method labels of the study's ``checks`` ([] without)."""
+    return list(study.checks["methods"]) if study.checks else []
+
+
 def _check_checks(study: Study) -> None:
-    """Check ``checks``: its keys, method labels outside ``methods``, a ``same_as`` among them, seeds of the study's."""
+    """Check the form of ``checks``: its keys, methods outside ``methods``, a ``same_as`` among them, seeds of the
+    study's (``_check`` checks the labels and their runs' configs, as it does the methods')."""
     checks = study.checks
     if checks is None:
         return
     where = f"{study.name}: checks"
-    if not isinstance(checks, dict) or set(checks) != set(CHECK_KEYS):
-        raise StudyError(f"{where}={checks!r} must name {', '.join(CHECK_KEYS)}, e.g. checks: {{methods: [1f1b, zb1p], "
-                         "same_as: gpipe, seeds: [0]}")
+    _keyed(checks, CHECK_KEYS, where, "checks: {methods: [1f1b, zb1p], same_as: gpipe, seeds: [0]}")
     labels, seeds = _list(where, "methods", checks["methods"], str), _list(where, "seeds", checks["seeds"], int)
-    for label in labels:
-        if label not in METHOD_LABELS:
-            raise unknown("method", label, METHOD_LABELS, f" in {where}")
     if checks["same_as"] not in study.methods or set(labels) & set(study.methods) or not set(seeds) <= set(study.seeds):
         raise StudyError(f"{where}: same_as={checks['same_as']!r} must be one of methods={study.methods}, methods="
                          f"{labels} must not be (a method is trained at every seed or checked, not both) and seeds="
                          f"{seeds} must be among seeds={study.seeds}; or drop the checks with checks=false")
-    try:
-        for label in labels:
-            for n in study.stages:
-                run_config(study, RunSpec(label, n, seeds[0], None))
-    except (ConfigError, ValueError) as err:
-        raise StudyError(f"{where}: {err}") from err
 
 
 def sweep_rates(study: Study) -> list[float | None]:
@@ -347,12 +346,11 @@ def plan_runs(study: Study) -> list[RunSpec]:
     methods at the check seeds); then the rate sweep's runs other than the study's own rate, per rate and seed the
     baseline(s) first."""
     runs: list[RunSpec] = []
-    checks = study.checks or {"methods": [], "seeds": []}
     for seed in study.seeds:
         runs += [run_spec(study, BASELINE, n, seed) for n in baseline_stages(study)]
         runs += [run_spec(study, label, n, seed) for n in study.stages for label in study.methods]
-        if seed in checks["seeds"]:
-            runs += [run_spec(study, label, n, seed) for n in study.stages for label in checks["methods"]]
+        if study.checks and seed in study.checks["seeds"]:
+            runs += [run_spec(study, label, n, seed) for n in study.stages for label in checked(study)]
     sweep = study.lr_sweep or {}
     for lr in (r for r in sweep_rates(study) if r is not None):
         for seed in sweep["seeds"]:

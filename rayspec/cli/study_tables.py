@@ -89,40 +89,37 @@ def check_rows(study: Study, records: Mapping[str, dict[str, Any]]) -> list[dict
     """The study's ``checks``, one row per checked method, stage count and seed: ``identical`` is True where its run
     equals ``same_as``'s run of that seed to the last bit (``_same``), False where it differs, None where either run
     is missing or failed."""
-    checks = study.checks
-    if not checks:
+    if not study.checks:
         return []
-    rows = []
-    for label in checks["methods"]:
+    same, rows = study.checks["same_as"], []
+    for label in study.checks["methods"]:
         for n in study.stages:
-            for seed in checks["seeds"]:
-                mine, theirs = (records.get(run_name(x, n, seed)) for x in (label, checks["same_as"]))
-                ran = mine is not None and theirs is not None and "failed" not in (mine["status"], theirs["status"])
-                rows.append({"method": label, "same_as": checks["same_as"], "stages": n, "seed": seed,
-                             "identical": _same([mine], [theirs]) if ran else None})  # type: ignore[list-item]
+            for seed in study.checks["seeds"]:
+                mine, theirs = records.get(run_name(label, n, seed)), records.get(run_name(same, n, seed))
+                identical = None
+                if mine and theirs and "failed" not in (mine["status"], theirs["status"]):
+                    identical = _same([mine], [theirs])
+                rows.append({"method": label, "same_as": same, "stages": n, "seed": seed, "identical": identical})
     return rows
 
 
-def _check_line(study: Study, rows: Sequence[dict[str, Any]], n: int) -> list[str]:
-    """The protocol's sentence on the checks at ``n`` stages (none without checks)."""
+def _check_line(rows: Sequence[dict[str, Any]], n: int) -> list[str]:
+    """The protocol's sentence on the checks (``check_rows``) at ``n`` stages (none without checks)."""
     mine = [r for r in rows if r["stages"] == n]
     if not mine:
         return []
-    same, seeds = mine[0]["same_as"], ", ".join(str(s) for s in study.checks["seeds"]) if study.checks else ""
+    same, seeds = mine[0]["same_as"], sorted({r["seed"] for r in mine})
     passed = sorted({r["method"] for r in mine} - {r["method"] for r in mine if r["identical"] is not True})
-    failed = [r for r in mine if r["identical"] is False]
-    open_ = [r for r in mine if r["identical"] is None]
     lines = [""]
     if passed:
         names = " and ".join(f"`{m}`" for m in passed)
-        word = "seeds" if study.checks and len(study.checks["seeds"]) > 1 else "seed"
-        lines.append(f"Checked: {names} trained at {word} {seeds} only, and their runs are `{same}`'s to the last bit "
-                     f"at N={n} (the same updates by construction), so `{same}`'s row stands for them.")
-    for r in failed:
-        lines.append(f"**Check failed**: `{r['method']}` at N={n}, seed {r['seed']} is not `{same}`'s run, so "
-                     f"`{same}`'s row does not stand for it: train it at every seed (add it to methods).")
-    for r in open_:
-        lines.append(f"Not checked: `{r['method']}` at N={n}, seed {r['seed']} (a run missing or failed).")
+        lines.append(f"Checked: {names} trained at seed{'s' if len(seeds) > 1 else ''} "
+                     f"{', '.join(map(str, seeds))} only, and their runs are `{same}`'s to the last bit at N={n} (the "
+                     f"same updates by construction), so `{same}`'s row stands for them.")
+    lines += [f"**Check failed**: `{r['method']}` at N={n}, seed {r['seed']} is not `{same}`'s run, so `{same}`'s row "
+              "does not stand for it: train it at every seed (add it to methods)." for r in mine if r["identical"] is False]
+    lines += [f"Not checked: `{r['method']}` at N={n}, seed {r['seed']} (a run missing or failed)." for r in mine
+              if r["identical"] is None]
     return lines
 
 
@@ -175,7 +172,7 @@ def protocol_lines(study: Study, records: Mapping[str, dict[str, Any]], chance: 
         if merged:
             lines += ["", "Merged: " + "; ".join(" = ".join(g) for g in merged) + f" at N={n}: their runs are "
                       "identical on every seed (the same updates by construction), so they are one row."]
-        lines += _check_line(study, checks, n)
+        lines += _check_line(checks, n)
         lines.append("")
     return lines
 
