@@ -39,7 +39,7 @@ import json
 import logging.handlers
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="vanilla and spectrain-paper, 1 seed, 12 updates (a smoke run)")
     ap.add_argument("--out", default="time_to_accuracy", help="result name: benchmarks/results/OUT.json and OUT.png")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs of OUT.partial.json (written after every run) that match these settings, "
+                         "and train only the others")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a training override for every run, after the study's own (data.path=FILE: a copy of the "
                          "study's data file); repeatable")
@@ -167,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     per_stage = [f"pipeline.cpus_per_stage={cpus:g}"]
     torch.set_num_threads(study.threads or torch.get_num_threads())  # the baseline and every evaluation, as a study
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in [BASELINE, *methods]}
+    partial = results_dir(args.quick) / f"{args.out}.partial.json"
+    key = {"study": study.name, "stages": args.stages, "eval_every": eval_every, "overrides": training}
+    kept = _resumed(partial, key) if args.resume else {}
     skipped: dict[str, str] = {}
     if "interleaved" in methods and blocks < 2 * args.stages:
         skipped["interleaved"] = (f"the model has {blocks} blocks; interleaved at N={args.stages} with 2 chunks per "
@@ -180,8 +186,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                 stages = 1 if label == BASELINE else args.stages
                 over = [*method_overrides(label, stages), f"seed={seed}", *common,
                         *(per_stage if label != BASELINE else [])]
+                if (done := kept.get((label, seed))) is not None and done["overrides"] == over:
+                    runs[label].append(done)
+                    print(f"{study.name} {label} seed {seed}: kept from {partial.name}", flush=True)
+                    continue
                 run = train_one(with_settings(study.base, over), label, seed)
                 runs[label].append({**run, "overrides": over})
+                _save_partial(partial, key, runs)
                 reached = f"final {run['curve'][-1][2]:.4f}" if run["curve"] else "no evaluation"
                 shown = f"failed: {run['error'][:300]}" if "error" in run else f"{run['train_s']:.1f} s trained"
                 print(f"{study.name} {label} seed {seed}: {shown}, {reached} ({run['wall_s']:.0f} s)", flush=True)
@@ -216,10 +227,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     for label, reason in skipped.items():
         print(f"{label}: skipped: {reason}")
     path = write(args.out, payload, quick=args.quick)
+    partial.unlink(missing_ok=True)
     png = _curves.plot(payload, results_dir(args.quick) / f"{args.out}.png")
     print(f"\nwrote {path} and {png}")
     if all("error" in run for label in methods for run in runs[label]):
         raise SystemExit("every run of the methods failed; see the results file's errors")
+
+
+def _save_partial(path: Path, key: dict[str, Any], runs: Mapping[str, list[dict[str, Any]]]) -> None:
+    """Every run so far, with the settings they share, so that an interrupted benchmark loses at most one run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**key, "runs": runs}))
+    tmp.replace(path)
+
+
+def _resumed(path: Path, key: Mapping[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    """The finished runs of an earlier partial file by (method, seed), if it was written with the same settings;
+    a run that failed is trained again."""
+    if not path.exists():
+        print(f"--resume: no {path.name} yet; every run trains", flush=True)
+        return {}
+    saved = json.loads(path.read_text())
+    if any(saved.get(k) != v for k, v in key.items()):
+        raise SystemExit(f"--resume: {path} was written with other settings "
+                         f"({ {k: saved.get(k) for k in key} }, now {dict(key)}); delete it or drop --resume")
+    return {(label, run["seed"]): run for label, done in saved["runs"].items() for run in done if "error" not in run}
 
 
 def _blocks(config: Config) -> int:
