@@ -58,7 +58,7 @@ def runs(names: tuple[str, ...] = NAMES) -> dict[str, tuple[str, list[str]]]:
 
 
 FILES = ("study.md", "study_results.json", "learning_curves.png", "distance.png", "prediction.png")
-QUICK = {"methods": ["async", "spectrain-paper"], "stages": [2], "seeds": [0]}
+QUICK = {"methods": ["async", "spectrain-paper"], "stages": [2], "seeds": [0], "checks": False}
 QUICK_TRAINING = ["train.max_steps=20", "train.eval_every=10", "train.log_every=10"]
 
 

@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--results", default="study_budget")
     ap.add_argument("--out", default="outputs/study_budget")
     args = ap.parse_args(argv)
-    study = load_study(args.study, seeds=[args.seed], lr_sweep=False)
+    study = load_study(args.study, seeds=[args.seed], lr_sweep=False, checks=False)
     n = max(study.stages)
     rows = []
     for label in [BASELINE, *args.methods.split(",")]:

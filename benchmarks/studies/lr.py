@@ -49,7 +49,7 @@ def choose(rows: list[dict], tolerance: float) -> float | None:
 def sweep(name: str, lrs: list[float], seed: int, out: Path, extra: list[str]) -> list[dict]:
     rows = []
     for lr in lrs:
-        study = load_study(name, [f"optim.lr={lr}", *extra], seeds=[seed])
+        study = load_study(name, [f"optim.lr={lr}", *extra], seeds=[seed], checks=False)
         record = train_run(study, with_overrides(study, RunSpec(BASELINE, 1, seed, None)), out / name / f"lr{lr}", None)
         f = record["final"]
         losses = [v for _, v in record["curves"]["loss"]]

@@ -152,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     training = [*args.overrides, *([f"train.max_steps={QUICK['max_steps']}", f"train.eval_every={QUICK['eval_every']}"]
                                    if args.quick else [])]
-    study = load_study(args.study, training, methods=["vanilla"], stages=[args.stages], seeds=seeds, lr_sweep=False)
+    study = load_study(args.study, training, methods=["vanilla"], stages=[args.stages], seeds=seeds, lr_sweep=False,
+                       checks=False)
     eval_every = args.eval_every or (QUICK["eval_every"] if args.quick else
                                      max(1, int(study.base["train"]["eval_every"]) // 2))
     common = [f"train.eval_every={eval_every}"]

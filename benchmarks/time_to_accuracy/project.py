@@ -116,7 +116,7 @@ class _Study:
         key = (label if extra else "", *extra)  # the study checks its methods under the overrides: only ours
         if key not in self.loaded:
             self.loaded[key] = load_study(self.name, overrides=[*self.overrides, *extra], seeds=[seed], lr_sweep=False,
-                                          **({"methods": [label]} if extra else {}))
+                                          checks=False, **({"methods": [label]} if extra else {}))
         config = run_config(self.loaded[key], run_spec(self.loaded[key], label, stages, seed))
         for section, values in changes.items():
             setattr(config, section, replace(getattr(config, section), **values))
@@ -263,7 +263,8 @@ def own_runs(args: argparse.Namespace, name: str, n: int) -> list[dict[str, Any]
     ``--set``'s, then the method's, as the study runner trains a run."""
     label, extra, _ = PROJECTED[name]
     study_name, seeds, out = args.study, args.seeds, Path(args.out)
-    study = load_study(study_name, overrides=[*args.overrides, *extra], seeds=seeds, lr_sweep=False, methods=[label])
+    study = load_study(study_name, overrides=[*args.overrides, *extra], seeds=seeds, lr_sweep=False, methods=[label],
+                       checks=False)
     records = []
     for seed in seeds:
         spec = run_spec(study, label, n, seed)
