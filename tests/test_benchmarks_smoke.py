@@ -85,6 +85,22 @@ def test_quick_through_the_runner(name):
     assert {p: p.stat().st_mtime_ns for p in results.RESULTS.rglob("*") if p.is_file()} == before
 
 
+def test_time_to_accuracy_resumes_only_finished_runs_of_the_same_settings(tmp_path):
+    """The partial file written after every run: ``--resume`` keeps its finished runs by (method, seed), trains a
+    failed one again, and refuses a file written with other settings."""
+    from benchmarks.time_to_accuracy import bench as tta
+
+    path = tmp_path / "tta.partial.json"
+    key = {"study": "fashion", "stages": 2, "eval_every": 150, "overrides": []}
+    ok = {"method": "gpipe", "seed": 0, "train_s": 1.0, "curve": [[150, 1.0, 0.8]], "overrides": ["seed=0"]}
+    failed = {"method": "gpipe", "seed": 1, "error": "RuntimeError: boom", "curve": [], "overrides": ["seed=1"]}
+    assert tta._resumed(path, key) == {}
+    tta._save_partial(path, key, {"sequential": [], "gpipe": [ok, failed]})
+    assert tta._resumed(path, key) == {("gpipe", 0): ok}
+    with pytest.raises(SystemExit, match="other settings"):
+        tta._resumed(path, {**key, "eval_every": 300})
+
+
 @pytest.mark.slow
 def test_time_to_accuracy_quick_through_the_runner(tmp_path):
     """``run time_to_accuracy --quick`` in its own process: a row per method run, the targets from the baseline, and
@@ -116,6 +132,7 @@ def test_time_to_accuracy_quick_through_the_runner(tmp_path):
             assert len(clock) == 3 and all(0 < a < b for a, b in zip(clock, clock[1:])), (label, run["curve"])
             assert clock[-1] <= run["train_s"] + 1e-9 and run["updates"] == 12
     assert {p: p.stat().st_mtime_ns for p in results.RESULTS.rglob("*") if p.is_file()} == before
+    assert (results.QUICK_RESULTS / "time_to_accuracy.partial.json").exists()  # kept, for --resume to add to
 
 
 def test_time_to_accuracy_counts_runs_that_miss_the_target():

@@ -186,6 +186,9 @@ def test_every_shipped_study_loads(name):
         raise
     assert study.stages and set(study.stages) <= {2, 4} and len(study.seeds) >= 3
     assert {m for m in DEFAULT_METHODS if m != "gpipe"} <= set(study.methods)  # the stale methods and SpecTrain
+    # the benchmarks train a subset (one method, a seed, no rate sweep, no checks): the study's keys must allow it
+    subset = load_study(name, methods=["vanilla"], stages=[2], seeds=[1], lr_sweep=False, checks=False)
+    assert subset.methods == ["vanilla"] and subset.seeds == [1] and not subset.checks
 
 
 @pytest.mark.slow  # a study's runs on Ray actors

@@ -82,6 +82,8 @@ BAD = [
     (["pipeline.variant=v3"], ConfigError, "pipeline.variant='v3' is unknown"),
     (["pipeline.predictor=quadratic"], ConfigError, "pipeline.predictor='quadratic' is unknown; choose one of linear"),
     (["pipeline.probe=-1"], ConfigError, "pipeline.probe=-1 must be >= 0; use 0 to turn the prediction probe off"),
+    (["pipeline.predictor=adaptive", "pipeline.probe=0"], ConfigError,
+     "pipeline.probe=0 turns the probe off (every prediction would be linear's); set pipeline.probe to a sample size"),
     (["pipeline.transport=carrier_pigeon"], ConfigError, "pipeline.transport='carrier_pigeon' is unknown"),
     (["pipeline.method=gpipe", "pipeline.microbatches=0"], ConfigError, "pipeline.microbatches=0 must be >= 1"),
     (["pipeline.method=gpipe", "pipeline.microbatches=5"], ConfigError, "not divisible by pipeline.microbatches=5"),

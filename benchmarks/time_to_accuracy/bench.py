@@ -18,7 +18,8 @@ target is the ``train_s`` of its first evaluation at or above it; a method's is 
 never reaches the target (or failed) counting as slower than every one that did, so the median is "not reached" when
 it falls on one. The table gives each method's median [per seed], its ratio to the fastest method, the runs that did
 not reach the target and the seconds per update (the run's ``train_s`` over its updates). SpecTrain's prediction
-scoring is off (``pipeline.probe=0``): it is measurement, not training.
+scoring is off (``pipeline.probe=0``): it is measurement, not training; ``spectrain-paper-adaptive`` keeps it, as its
+predictor damps each prediction by what the probe measured.
 
 Method labels are the studies' (``rayspec.cli.study_config.METHOD_LABELS``): ``spectrain-paper`` is the paper's
 SpecTrain (an update per batch of one micro-batch), ``spectrain-paper-adaptive`` its adaptive predictor;
@@ -58,8 +59,9 @@ EXTRA_LABELS: dict[str, list[str]] = {
 }
 """Labels of this benchmark beyond the studies' ``METHOD_LABELS``, with their overrides."""
 QUICK = {"methods": "vanilla,spectrain-paper", "seeds": "0", "max_steps": 12, "eval_every": 4}
-PIPELINE = ["pipeline.executor=ray", "pipeline.transport=p2p", "pipeline.probe=0"]
-"""What every run at N stages sets beyond its method: the Ray executor, p2p, no prediction scoring."""
+PIPELINE = ["pipeline.executor=ray", "pipeline.transport=p2p"]
+"""What every run at N stages sets beyond its method: the Ray executor, p2p (and ``pipeline.probe=0``, no prediction
+scoring, except for the adaptive predictor, which trains with what the probe measures)."""
 
 
 def method_overrides(label: str, stages: int) -> list[str]:
@@ -75,7 +77,8 @@ def method_overrides(label: str, stages: int) -> list[str]:
                          f"({', '.join(METHOD_LABELS)})")
     if label == "pipedream-2bw":
         own = [*own, f"pipeline.accumulate={max(1, stages - 1)}"]
-    return [*own, f"pipeline.stages={stages}", *PIPELINE]
+    probe = [] if "pipeline.predictor=adaptive" in own else ["pipeline.probe=0"]
+    return [*own, f"pipeline.stages={stages}", *PIPELINE, *probe]
 
 
 def read_curve(run_dir: Path) -> list[list[float]]:
@@ -130,8 +133,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="vanilla and spectrain-paper, 1 seed, 12 updates (a smoke run)")
     ap.add_argument("--out", default="time_to_accuracy", help="result name: benchmarks/results/OUT.json and OUT.png")
     ap.add_argument("--resume", action="store_true",
-                    help="keep the runs of OUT.partial.json (written after every run) that match these settings, "
-                         "and train only the others")
+                    help="keep the finished runs of OUT.partial.json (written after every run, kept after the last) "
+                         "that have these settings, and train only the others: to go on after an interruption, or "
+                         "to add methods or seeds")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a training override for every run, after the study's own (data.path=FILE: a copy of the "
                          "study's data file); repeatable")
@@ -228,7 +232,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     for label, reason in skipped.items():
         print(f"{label}: skipped: {reason}")
     path = write(args.out, payload, quick=args.quick)
-    partial.unlink(missing_ok=True)
     png = _curves.plot(payload, results_dir(args.quick) / f"{args.out}.png")
     print(f"\nwrote {path} and {png}")
     if all("error" in run for label in methods for run in runs[label]):

@@ -130,6 +130,10 @@ class PipelineConfig(Section):
         if self.accumulate > 1 and method.group_setting != "pipeline.accumulate":
             fix = f"set {method.group_setting} instead" if method.group_setting else "remove it"
             raise ConfigError(f"pipeline.accumulate={self.accumulate} does not apply to pipeline.method={self.method}; {fix}")
+        if method.predicts and self.predictor == "adaptive" and self.probe == 0:
+            raise ConfigError("pipeline.predictor=adaptive damps each prediction by what the prediction probe measured, "
+                              "but pipeline.probe=0 turns the probe off (every prediction would be linear's); set "
+                              "pipeline.probe to a sample size (default 4096) or use pipeline.predictor=linear")
         if not method.pipelined and self.executor != "ray":
             raise ConfigError(
                 f"pipeline.executor={self.executor} does not apply to pipeline.method={self.method} (it runs on Ray "
