@@ -297,8 +297,23 @@ def time_to_accuracy(d: dict[str, Any]) -> list[str]:
                                                             f"{r[k]['not_reached']}/{len(r[k]['per_seed_s'])}")],
              r["s_per_update"]] for r in d["rows"]]
     lines += _table([*head, "s/update"], rows)
+    lines += ["", *(_first_to(d["rows"], k) for k in keys)]
     skipped = [f"{label}: skipped: {reason}." for label, reason in d.get("skipped", {}).items()]
     return [*lines, *([""] + skipped if skipped else [])]
+
+
+def _first_to(rows: list[dict[str, Any]], key: str) -> str:
+    """Which method reaches target ``key`` first, and which of those that use N devices, with their medians."""
+    reached = sorted((r for r in rows if r[key]["median_s"] is not None), key=lambda r: r[key]["median_s"])
+    if not reached:
+        return f"First to {key.replace('to_', '')} %: none (no median reached it)."
+    first = reached[0]
+    parallel = next((r for r in reached if r["method"] != "sequential"), None)
+    line = f"First to {key.replace('to_', '')} %: `{first['method']}` ({_num(first[key]['median_s'])} s)"
+    if parallel is not None and parallel is not first:
+        line += (f"; of the methods on N devices `{parallel['method']}` ({_num(parallel[key]['median_s'])} s, "
+                 f"{_num(parallel[key]['ratio_to_best'])}x)")
+    return line + "."
 
 
 def time_to_accuracy_projected(d: dict[str, Any]) -> list[str]:
@@ -376,12 +391,15 @@ BENCHMARKS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("study_select", "python -m benchmarks.studies.select (the commands in rayspec/experiments/studies/fashion.yaml "
      "and reviews.yaml)", study_select),
     ("study_budget", "python -m benchmarks.studies.budget --study fashion (and reviews)", study_budget),
-    ("time_to_accuracy", "python -m benchmarks.time_to_accuracy --eval-every 25", time_to_accuracy),
+    ("time_to_accuracy", "python -m benchmarks.time_to_accuracy --eval-every 25 (spectrain-paper-adaptive trained "
+     "again with --resume, its probe on)", time_to_accuracy),
     ("time_to_accuracy_projected", "python -m benchmarks.time_to_accuracy.project --study reviews --stages 4,8 "
      "--repeats 25 --updates 4", time_to_accuracy_projected),
     ("time_to_accuracy_projected_fashion", "python -m benchmarks.time_to_accuracy.project --study fashion --stages 4,8 "
      "--repeats 15 --updates 4", time_to_accuracy_projected),
-    ("time_to_accuracy_fashion", "python -m benchmarks.time_to_accuracy --study fashion --out time_to_accuracy_fashion",
+    ("time_to_accuracy_fashion", "python -m benchmarks.time_to_accuracy --study fashion --eval-every 150 "
+     "--out time_to_accuracy_fashion (9 methods, then with --resume interleaved, pipedream-2bw and "
+     "spectrain-paper-acc4 added and spectrain-paper-adaptive trained again, its probe on)",
      time_to_accuracy),
 ]
 """Each record with the command that wrote it and its section's maker, in the page's order."""

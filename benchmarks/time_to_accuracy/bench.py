@@ -2,7 +2,7 @@
 
     python -m benchmarks.time_to_accuracy [--study reviews|fashion] [--methods gpipe,spectrain-paper,...]
                                           [--seeds 0,1,2] [--stages 2] [--eval-every 50] [--quick] [--out NAME]
-                                          [--set KEY=VALUE ...]
+                                          [--set KEY=VALUE ...] [--resume]
 
 Every run trains a study's model on its data with its settings (``rayspec/experiments/studies/STUDY.yaml``, read by
 ``rayspec.cli.study_config.load_study``: the same overrides, the same eval split), evaluating every ``--eval-every``
