@@ -65,8 +65,8 @@ SIMULATED_UPDATES = 32
 PROJECTED = {  # name: (study method label, extra overrides, study label whose curves give its updates to target)
     "vanilla": ("vanilla", [], BASELINE),
     "gpipe": ("gpipe", [], "gpipe"),
-    "1f1b": ("1f1b", [], "1f1b"),
-    "zb1p": ("zb1p", [], "zb1p"),
+    "1f1b": ("1f1b", [], "gpipe"),
+    "zb1p": ("zb1p", [], "gpipe"),
     "interleaved": ("interleaved", [], "gpipe"),
     "async": ("async", [], "async"),
     "pipedream": ("pipedream", [], "pipedream"),
@@ -75,7 +75,9 @@ PROJECTED = {  # name: (study method label, extra overrides, study label whose c
     "spectrain-acc4": ("spectrain-paper", ["pipeline.accumulate=4"], None),
     "dataparallel": ("vanilla", [], BASELINE),
 }
-"""``None``: not in the studies; trained here (``--seeds``). ``pipedream-2bw`` needs ``accumulate >= N - 1``: 4."""
+"""``None``: not in the studies; trained here (``--seeds``). ``pipedream-2bw`` needs ``accumulate >= N - 1``: 4.
+The synchronous schedules take ``gpipe``'s curves, at every seed the study ran: they make the same updates (a study
+that trains them checks it bit for bit, possibly at fewer seeds: ``checks``)."""
 SAME_UPDATES = {"vanilla": "vanilla with one micro-batch per update is sequential training",
                 "interleaved": "synchronous: the same updates as gpipe (the study's 1f1b and zb1p equal gpipe)",
                 "1f1b": "synchronous: the same updates as gpipe", "zb1p": "synchronous: the same updates as gpipe",
