@@ -306,10 +306,10 @@ def _first_to(rows: list[dict[str, Any]], key: str) -> str:
     """Which method reaches target ``key`` first, and which of those that use N devices, with their medians."""
     reached = sorted((r for r in rows if r[key]["median_s"] is not None), key=lambda r: r[key]["median_s"])
     if not reached:
-        return f"First to {key.replace('to_', '')} %: none (no median reached it)."
+        return f"- First to {key.replace('to_', '')} %: none (no median reached it)."
     first = reached[0]
     parallel = next((r for r in reached if r["method"] != "sequential"), None)
-    line = f"First to {key.replace('to_', '')} %: `{first['method']}` ({_num(first[key]['median_s'])} s)"
+    line = f"- First to {key.replace('to_', '')} %: `{first['method']}` ({_num(first[key]['median_s'])} s)"
     if parallel is not None and parallel is not first:
         line += (f"; of the methods on N devices `{parallel['method']}` ({_num(parallel[key]['median_s'])} s, "
                  f"{_num(parallel[key]['ratio_to_best'])}x)")
