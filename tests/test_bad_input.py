@@ -71,6 +71,8 @@ CASES = [
          r"set fault\.max_restarts to 1 or more"),
     Case("zero connect timeout", "settings", ("ray.connect_timeout_s=0",), r"ray\.connect_timeout_s=0",
          "positive number"),
+    Case("adaptive predictor without its probe", "settings", ("pipeline.predictor=adaptive", "pipeline.probe=0"),
+         r"pipeline\.predictor=adaptive.*pipeline\.probe=0", r"set pipeline\.probe to a sample size"),
     Case("misspelt key", "settings", ("+pipeline.stagez=3",), r"pipeline\.stagez", r"known: .*stages"),
     Case("unknown top-level key", "settings", ("+seeed=1",), r"seeed", r"top-level keys are .*seed"),
     Case("unknown model option", "settings", ("+model.widht=64",), r"model\.widht=64", r"options are .*width"),
