@@ -99,6 +99,9 @@ def test_time_to_accuracy_resumes_only_finished_runs_of_the_same_settings(tmp_pa
     assert tta._resumed(path, key) == {("gpipe", 0): ok}
     with pytest.raises(SystemExit, match="other settings"):
         tta._resumed(path, {**key, "eval_every": 300})
+    fresh = {**ok, "seed": 1}  # a run of another invocation (only seed 1): seed 0's run stays in the file
+    tta._save_partial(path, key, {"sequential": [], "gpipe": [fresh]}, others={("gpipe", 0): ok})
+    assert tta._resumed(path, key) == {("gpipe", 1): fresh, ("gpipe", 0): ok}
 
 
 @pytest.mark.slow

@@ -178,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     partial = results_dir(args.quick) / f"{args.out}.partial.json"
     key = {"study": study.name, "stages": args.stages, "eval_every": eval_every, "overrides": training}
     kept = _resumed(partial, key) if args.resume else {}
+    others = {k: run for k, run in kept.items() if k[0] not in runs or k[1] not in seeds}  # kept, not trained here
     skipped: dict[str, str] = {}
     if "interleaved" in methods and blocks < 2 * args.stages:
         skipped["interleaved"] = (f"the model has {blocks} blocks; interleaved at N={args.stages} with 2 chunks per "
@@ -197,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     continue
                 run = train_one(with_settings(study.base, over), label, seed)
                 runs[label].append({**run, "overrides": over})
-                _save_partial(partial, key, runs)
+                _save_partial(partial, key, runs, others)
                 reached = f"final {run['curve'][-1][2]:.4f}" if run["curve"] else "no evaluation"
                 shown = f"failed: {run['error'][:300]}" if "error" in run else f"{run['train_s']:.1f} s trained"
                 print(f"{study.name} {label} seed {seed}: {shown}, {reached} ({run['wall_s']:.0f} s)", flush=True)
@@ -238,11 +239,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("every run of the methods failed; see the results file's errors")
 
 
-def _save_partial(path: Path, key: dict[str, Any], runs: Mapping[str, list[dict[str, Any]]]) -> None:
-    """Every run so far, with the settings they share, so that an interrupted benchmark loses at most one run."""
+def _save_partial(path: Path, key: dict[str, Any], runs: Mapping[str, list[dict[str, Any]]],
+                  others: Mapping[tuple[str, int], dict[str, Any]] | None = None) -> None:
+    """Every run so far, with the settings they share, so that an interrupted benchmark loses at most one run;
+    ``others``: finished runs of the file that this call does not train (other methods or seeds), kept in it."""
+    merged: dict[str, list[dict[str, Any]]] = {label: list(done) for label, done in runs.items()}
+    for (label, _), run in (others or {}).items():
+        merged.setdefault(label, []).append(run)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**key, "runs": runs}))
+    tmp.write_text(json.dumps({**key, "runs": merged}))
     tmp.replace(path)
 
 
