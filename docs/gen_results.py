@@ -18,6 +18,7 @@ from typing import Any
 
 from benchmarks.studies.bench import NAMES, REAL, runs
 from benchmarks.studies.table import AUTHORS, accuracy_table, prediction_table, signed
+from rayspec.cli.study_config import BASELINE
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -308,7 +309,7 @@ def _first_to(rows: list[dict[str, Any]], key: str) -> str:
     if not reached:
         return f"- First to {key.replace('to_', '')} %: none (no median reached it)."
     first = reached[0]
-    parallel = next((r for r in reached if r["method"] != "sequential"), None)
+    parallel = next((r for r in reached if r["method"] != BASELINE), None)
     line = f"- First to {key.replace('to_', '')} %: `{first['method']}` ({_num(first[key]['median_s'])} s)"
     if parallel is not None and parallel is not first:
         line += (f"; of the methods on N devices `{parallel['method']}` ({_num(parallel[key]['median_s'])} s, "

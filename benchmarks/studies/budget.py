@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._shared.results import results_dir, write
-from rayspec.cli.study_config import BASELINE, load_study, plan_runs, run_spec
+from rayspec.cli.study_config import BASELINE, load_study, load_study_part, plan_runs, run_spec
 from rayspec.cli.study_run import train_run
 
 
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--results", default="study_budget")
     ap.add_argument("--out", default="outputs/study_budget")
     args = ap.parse_args(argv)
-    study = load_study(args.study, seeds=[args.seed], lr_sweep=False, checks=False)
+    study = load_study_part(args.study, seeds=[args.seed])
     n = max(study.stages)
     rows = []
     for label in [BASELINE, *args.methods.split(",")]:

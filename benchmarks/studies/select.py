@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._shared.results import results_dir, write
-from rayspec.cli.study import BASELINE, RunSpec, load_study, train_run
-from rayspec.cli.study_config import with_overrides
+from rayspec.cli.study import BASELINE, RunSpec, train_run
+from rayspec.cli.study_config import load_study_part, with_overrides
 from rayspec.cli.study_stats import score
 from rayspec.config import from_mapping
 from rayspec.config.compose import compose
@@ -78,7 +78,7 @@ def probe(study_name: str, setting: list[str], fixed: list[str], seed: int, out:
           split: str = "selection") -> dict[str, Any]:
     """Train one probe (the baseline with ``setting``, scored on ``split``) and return its row."""
     overrides = [*fixed, *setting, f"data.eval_split={split}"]
-    study = load_study(study_name, overrides, seeds=[seed], stages=[1], lr_sweep=False, checks=False)  # the baseline alone
+    study = load_study_part(study_name, overrides, seeds=[seed], stages=[1])  # the baseline alone
     value = " ".join(setting) if len(setting) != 1 else setting[0].partition("=")[2]
     run_dir = out / study_name / f"{'_'.join(setting) or split}-seed{seed}"
     spec = with_overrides(study, RunSpec(BASELINE, 1, seed, None))

@@ -47,7 +47,8 @@ from typing import Any
 from benchmarks._shared.processes import start_ray
 from benchmarks._shared.results import results_dir, table, write
 from benchmarks.time_to_accuracy import _curves
-from rayspec.cli.study_config import BASELINE, METHOD_LABELS, load_study, with_settings
+from rayspec.cli.study_config import BASELINE, METHOD_LABELS, load_study_part, with_settings
+from rayspec.cli.study_run import write_json
 from rayspec.config import Config
 
 METHODS = ("dataparallel", "vanilla", "gpipe", "1f1b", "zb1p", "interleaved", "async", "pipedream", "pipedream-2bw",
@@ -156,8 +157,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     training = [*args.overrides, *([f"train.max_steps={QUICK['max_steps']}", f"train.eval_every={QUICK['eval_every']}"]
                                    if args.quick else [])]
-    study = load_study(args.study, training, methods=["vanilla"], stages=[args.stages], seeds=seeds, lr_sweep=False,
-                       checks=False)
+    study = load_study_part(args.study, training, methods=["vanilla"], stages=[args.stages], seeds=seeds)
     eval_every = args.eval_every or (QUICK["eval_every"] if args.quick else
                                      max(1, int(study.base["train"]["eval_every"]) // 2))
     common = [f"train.eval_every={eval_every}"]
@@ -247,9 +247,7 @@ def _save_partial(path: Path, key: dict[str, Any], runs: Mapping[str, list[dict[
     for (label, _), run in (others or {}).items():
         merged.setdefault(label, []).append(run)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**key, "runs": merged}))
-    tmp.replace(path)
+    write_json(path, {**key, "runs": merged})
 
 
 def _resumed(path: Path, key: Mapping[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:

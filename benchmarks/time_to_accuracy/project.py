@@ -43,7 +43,7 @@ import torch
 
 from benchmarks._shared.results import RESULTS, table, write
 from benchmarks.time_to_accuracy._curves import median
-from rayspec.cli.study_config import BASELINE, load_study, run_config, run_spec
+from rayspec.cli.study_config import BASELINE, load_study_part, run_config, run_spec
 from rayspec.cli.study_run import finished_record, train_run
 from rayspec.cli.study_stats import score, updates_to
 from rayspec.core.methods import METHODS
@@ -117,8 +117,8 @@ class _Study:
     def config(self, label: str, extra: list[str], stages: int, seed: int = 0, **changes: Any) -> Any:
         key = (label if extra else "", *extra)  # the study checks its methods under the overrides: only ours
         if key not in self.loaded:
-            self.loaded[key] = load_study(self.name, overrides=[*self.overrides, *extra], seeds=[seed], lr_sweep=False,
-                                          checks=False, **({"methods": [label]} if extra else {}))
+            self.loaded[key] = load_study_part(self.name, [*self.overrides, *extra], seeds=[seed],
+                                               **({"methods": [label]} if extra else {}))
         config = run_config(self.loaded[key], run_spec(self.loaded[key], label, stages, seed))
         for section, values in changes.items():
             setattr(config, section, replace(getattr(config, section), **values))
@@ -265,8 +265,7 @@ def own_runs(args: argparse.Namespace, name: str, n: int) -> list[dict[str, Any]
     ``--set``'s, then the method's, as the study runner trains a run."""
     label, extra, _ = PROJECTED[name]
     study_name, seeds, out = args.study, args.seeds, Path(args.out)
-    study = load_study(study_name, overrides=[*args.overrides, *extra], seeds=seeds, lr_sweep=False, methods=[label],
-                       checks=False)
+    study = load_study_part(study_name, [*args.overrides, *extra], seeds=seeds, methods=[label])
     records = []
     for seed in seeds:
         spec = run_spec(study, label, n, seed)
@@ -298,8 +297,6 @@ def accuracy(args: argparse.Namespace, n: int, names: list[str]) -> dict[str, An
         else:
             at = 1 if source == BASELINE else n
             records = [r for r in runs if r["label"] == source and r["stages"] == at]
-            if not records and name in SAME_UPDATES:  # a synchronous method the study did not run: gpipe's
-                source, records = "gpipe", [r for r in runs if r["label"] == "gpipe" and r["stages"] == n]
             where = f"study runs of {source} at N={at}" + (f" ({SAME_UPDATES[name]})" if name in SAME_UPDATES else "")
         entry: dict[str, Any] = {"curves": where}
         if source is None and records:  # kept here, as these runs live only in the ignored output folder

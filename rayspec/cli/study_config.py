@@ -23,8 +23,8 @@ from rayspec.errors import ConfigError, RayspecError, unknown
 from rayspec.training.prepare import prepare
 
 __all__ = ["STUDIES", "METHOD_LABELS", "DEFAULT_METHODS", "BASELINE", "Study", "StudyError", "RunSpec", "available",
-           "find_study", "load_study", "run_config", "has_dropout", "plan_runs", "run_name", "with_overrides", "predicts",
-           "study_settings", "RUNNERS", "baseline_stages", "run_spec", "sweep_rates"]
+           "find_study", "load_study", "load_study_part", "run_config", "has_dropout", "plan_runs", "run_name",
+           "with_overrides", "predicts", "study_settings", "RUNNERS", "baseline_stages", "run_spec", "sweep_rates"]
 
 STUDIES = EXPERIMENTS / "studies"
 """The study files shipped inside the package."""
@@ -192,6 +192,12 @@ def load_study(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study
     _check(study)
     _check_sweep(study)
     return study
+
+
+def load_study_part(ref: str, overrides: Sequence[str] = (), **options: Any) -> Study:
+    """``load_study`` for training some of a study's runs outside the study runner (the benchmarks): without the
+    file's rate sweep and checks, which name methods, stages and seeds that a narrowed study may lack."""
+    return load_study(ref, overrides, lr_sweep=False, checks=False, **options)
 
 
 def _list(where: str, key: str, value: Any, kind: type | tuple[type, ...]) -> list[Any]:

@@ -22,7 +22,7 @@ from rayspec.cli.study_stats import DIVERGENCE_FACTOR, diverged_at, score
 from rayspec.config import Config
 from rayspec.training.progress import duration
 
-__all__ = ["relative_distance", "read_record", "finished_record", "train_run", "failed_record", "prediction_figures",
+__all__ = ["relative_distance", "read_record", "write_json", "finished_record", "train_run", "failed_record", "prediction_figures",
            "load_trajectory", "outcome", "open_study", "report_study"]
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,8 @@ def read_record(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _write_json(path: Path, payload: Any) -> None:
+def write_json(path: Path, payload: Any) -> None:
+    """Write ``payload`` as JSON through a temporary file, so that a reader never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=1, default=str))
     tmp.replace(path)
@@ -140,7 +141,7 @@ def train_run(study: Study, spec: RunSpec, run_dir: Path, reference: Mapping[int
         torch.save(recorder.trajectory, run_dir / TRAJECTORY_FILE)
     record = _record(config, spec, status, error, seconds, summary, recorder)
     record["cpu_seconds"] = cpu_seconds
-    _write_json(run_dir / RUN_FILE, record)
+    write_json(run_dir / RUN_FILE, record)
     return record
 
 
